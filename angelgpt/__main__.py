@@ -1,0 +1,3 @@
+from angelgpt.cli.app import main
+
+main()

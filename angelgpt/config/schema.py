@@ -1,0 +1,338 @@
+"""Configuration sections, one dataclass each, with a docstring under every field.
+
+Local checks live in each section's ``__post_init__``; checks that span sections or need the world
+size live in ``Config.validate``. Every failure raises ``ConfigError`` with one line naming the key,
+the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional, Union
+
+
+class ConfigError(ValueError):
+    """Bad configuration: the message is one line, fit to print to a user as is."""
+
+
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+def _positive(section: str, **values) -> None:
+    for key, value in values.items():
+        _require(value > 0, f"{section}.{key} must be > 0, got {value}")
+
+
+@dataclass
+class ModelConfig:
+    num_layers: int = 2
+    """Number of transformer layers."""
+    hidden_size: int = 64
+    """Transformer hidden size."""
+    num_attention_heads: int = 4
+    """Number of attention (query) heads."""
+    num_query_groups: Optional[int] = None
+    """Key/value head groups for grouped-query attention; None means one per head (MHA)."""
+    kv_channels: Optional[int] = None
+    """Attention head size; None means hidden_size / num_attention_heads (must divide)."""
+    ffn_hidden_size: Optional[int] = None
+    """MLP hidden size; None means 4 * hidden_size."""
+    seq_length: int = 128
+    """Training sequence length in tokens."""
+    vocab_size: int = 50257
+    """Tokenizer vocabulary size before padding (a real tokenizer's size overrides it)."""
+    make_vocab_size_divisible_by: int = 128
+    """Pad the vocabulary to a multiple of this times the tensor-parallel size, as Megatron does."""
+    position_embedding_type: str = "learned_absolute"
+    """'learned_absolute' (GPT-2 style, runs everywhere) or 'rope' (Megatron's RoPE needs CUDA)."""
+    untie_embeddings_and_output_weights: bool = False
+    """Give the output layer its own weights instead of sharing the input embedding."""
+    hidden_dropout: float = 0.0
+    """Dropout after attention and MLP."""
+    attention_dropout: float = 0.0
+    """Dropout on attention probabilities."""
+    init_method_std: float = 0.02
+    """Standard deviation of the normal weight initialisation."""
+    recompute: str = "none"
+    """Activation recompute: 'none', or 'full' (every layer's activations are recomputed in backward)."""
+    transformer_impl: str = "auto"
+    """'auto' (transformer-engine when it imports on GPU, else local), 'local' or 'transformer_engine'."""
+
+    def __post_init__(self):
+        _positive("model", num_layers=self.num_layers, hidden_size=self.hidden_size,
+                  num_attention_heads=self.num_attention_heads, seq_length=self.seq_length,
+                  vocab_size=self.vocab_size, make_vocab_size_divisible_by=self.make_vocab_size_divisible_by)
+        if self.kv_channels is None:
+            _require(self.hidden_size % self.num_attention_heads == 0,
+                     f"model.num_attention_heads ({self.num_attention_heads}) must divide model.hidden_size "
+                     f"({self.hidden_size}) when model.kv_channels is not given")
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+        _positive("model", kv_channels=self.kv_channels)
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+        _positive("model", ffn_hidden_size=self.ffn_hidden_size)
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        _require(self.num_query_groups > 0 and self.num_attention_heads % self.num_query_groups == 0,
+                 f"model.num_query_groups ({self.num_query_groups}) must be > 0 and divide "
+                 f"model.num_attention_heads ({self.num_attention_heads})")
+        _require(self.position_embedding_type in ("learned_absolute", "rope"),
+                 f"model.position_embedding_type must be 'learned_absolute' or 'rope', got "
+                 f"'{self.position_embedding_type}'")
+        _require(self.recompute in ("none", "full"),
+                 f"model.recompute must be 'none' or 'full', got '{self.recompute}'")
+        _require(self.transformer_impl in ("auto", "local", "transformer_engine"),
+                 f"model.transformer_impl must be 'auto', 'local' or 'transformer_engine', got "
+                 f"'{self.transformer_impl}'")
+        for key in ("hidden_dropout", "attention_dropout"):
+            value = getattr(self, key)
+            _require(0.0 <= value < 1.0, f"model.{key} must be in [0, 1), got {value}")
+        _positive("model", init_method_std=self.init_method_std)
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = 1
+    """Tensor-parallel size (Megatron TP): splits attention heads and the MLP across ranks."""
+    pipeline_model_parallel_size: int = 1
+    """Pipeline-parallel size (Megatron PP): splits layers into stages; 1F1B schedule, CUDA only."""
+
+    def __post_init__(self):
+        _positive("parallel", tensor_model_parallel_size=self.tensor_model_parallel_size,
+                  pipeline_model_parallel_size=self.pipeline_model_parallel_size)
+
+
+@dataclass
+class OptimConfig:
+    optimizer: str = "megatron"
+    """'megatron' (Megatron's distributed optimizer) or 'zero_cache' (GPU + CPU + NVMe state store)."""
+    lr: float = 3.0e-4
+    """Peak learning rate."""
+    min_lr: float = 3.0e-5
+    """Learning rate at the end of the decay."""
+    lr_warmup_iters: int = 0
+    """Iterations of linear warmup from 0 to lr."""
+    lr_decay_style: str = "cosine"
+    """'cosine', 'linear' or 'constant' decay after warmup."""
+    lr_decay_iters: Optional[int] = None
+    """Iterations over which lr decays to min_lr; None means train.train_iters."""
+    weight_decay: float = 0.1
+    """Decoupled (AdamW) weight decay; biases and norm weights get none."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.95
+    """Adam beta2."""
+    adam_eps: float = 1.0e-8
+    """Adam epsilon."""
+    clip_grad: float = 1.0
+    """Clip the global gradient norm (over all ranks) to this; 0 disables clipping."""
+
+    def __post_init__(self):
+        _require(self.optimizer in ("megatron", "zero_cache"),
+                 f"optim.optimizer must be 'megatron' or 'zero_cache', got '{self.optimizer}'")
+        _require(self.lr_decay_style in ("cosine", "linear", "constant"),
+                 f"optim.lr_decay_style must be 'cosine', 'linear' or 'constant', got '{self.lr_decay_style}'")
+        _positive("optim", lr=self.lr, adam_eps=self.adam_eps)
+        _require(0.0 <= self.min_lr <= self.lr, f"optim.min_lr must be in [0, lr={self.lr}], got {self.min_lr}")
+        _require(self.lr_warmup_iters >= 0, f"optim.lr_warmup_iters must be >= 0, got {self.lr_warmup_iters}")
+        _require(self.lr_decay_iters is None or self.lr_decay_iters > 0,
+                 f"optim.lr_decay_iters must be > 0, got {self.lr_decay_iters}")
+        for key in ("adam_beta1", "adam_beta2"):
+            value = getattr(self, key)
+            _require(0.0 <= value < 1.0, f"optim.{key} must be in [0, 1), got {value}")
+        _require(self.weight_decay >= 0.0, f"optim.weight_decay must be >= 0, got {self.weight_decay}")
+        _require(self.clip_grad >= 0.0, f"optim.clip_grad must be >= 0, got {self.clip_grad}")
+
+
+@dataclass
+class ZeroCacheConfig:
+    pipeline_optimizer: bool = True
+    """Pipeline the optimizer update with gradient offload and parameter upload."""
+    prefetch_cache_sub_group_rate: Union[float, str] = 0.0
+    """Fraction of model states kept on GPU (0.0 to 1.0), or 'auto' to take the planner's choice."""
+    max_contigous_params_size: int = -1
+    """Bytes of GPU memory for gathered/prefetched parameters; -1 means no limit."""
+    prefetch_bucket_size: int = 50_000_000
+    """Parameters fetched ahead of the layer that runs, per prefetch step."""
+    max_live_parameters: int = 1_000_000_000
+    """Most gathered parameters resident on GPU at once."""
+    max_param_reduce_events: int = 1
+    """Gradient reduce-scatters in flight at once (0 or 1 recommended)."""
+    is_communication_time_profiling: bool = False
+    """Print per-iteration time in all-gather, reduce-scatter, H2D, D2H, NVMe I/O and optimizer."""
+    save_large_model_multi_slice: bool = True
+    """Stream sharded checkpoint saves slice by slice instead of materialising the model on host."""
+    nvme_path: Optional[str] = None
+    """Directory for the NVMe tier; None turns the tier off."""
+    nvme_max_gib: Optional[float] = None
+    """Most GiB the NVMe tier may use; None means what the disk has free."""
+
+    def __post_init__(self):
+        rate = self.prefetch_cache_sub_group_rate
+        if isinstance(rate, str):
+            _require(rate == "auto", f"zero_cache.prefetch_cache_sub_group_rate must be a number in "
+                                     f"[0, 1] or 'auto', got '{rate}'")
+        else:
+            _require(0.0 <= rate <= 1.0, f"zero_cache.prefetch_cache_sub_group_rate must be in [0, 1] or "
+                                         f"'auto', got {rate}")
+        _require(self.max_contigous_params_size == -1 or self.max_contigous_params_size > 0,
+                 f"zero_cache.max_contigous_params_size must be -1 or > 0, got {self.max_contigous_params_size}")
+        _positive("zero_cache", prefetch_bucket_size=self.prefetch_bucket_size,
+                  max_live_parameters=self.max_live_parameters)
+        _require(self.max_param_reduce_events >= 0,
+                 f"zero_cache.max_param_reduce_events must be >= 0, got {self.max_param_reduce_events}")
+        _require(self.nvme_max_gib is None or self.nvme_max_gib > 0,
+                 f"zero_cache.nvme_max_gib must be > 0, got {self.nvme_max_gib}")
+
+
+@dataclass
+class DataConfig:
+    paths: Union[str, List[Union[str, float]]] = "mock"
+    """'mock' (Megatron's mock dataset), one dataset prefix, or a blend [weight, prefix, weight, prefix, ...]."""
+    split: str = "949,50,1"
+    """Train, valid, test proportions of each dataset."""
+    tokenizer: Optional[str] = None
+    """Tokenizer directory (tokenizer.model from `angelgpt tokenizer train`); needed with real data."""
+    cache_path: Optional[str] = None
+    """Where Megatron's dataset index caches go; None means beside the data."""
+
+    def __post_init__(self):
+        if isinstance(self.paths, list):
+            _require(len(self.paths) > 0, "data.paths must not be empty")
+            if len(self.paths) > 1:
+                _require(len(self.paths) % 2 == 0 and all(isinstance(w, (int, float)) for w in self.paths[0::2])
+                         and all(isinstance(p, str) for p in self.paths[1::2]),
+                         "data.paths as a blend must be [weight, prefix, weight, prefix, ...]")
+        parts = self.split.split(",")
+        ok = len(parts) == 3 and all(p.strip().replace(".", "", 1).isdigit() for p in parts)
+        _require(ok and sum(float(p) for p in parts) > 0,
+                 f"data.split must be three non-negative numbers like '949,50,1', got '{self.split}'")
+
+    @property
+    def is_mock(self) -> bool:
+        return self.paths == "mock"
+
+
+@dataclass
+class CheckpointConfig:
+    save: Optional[str] = None
+    """Directory to save checkpoints into; None saves nothing."""
+    load: Optional[str] = None
+    """Directory to resume from (its latest checkpoint); None starts fresh."""
+    save_interval: Optional[int] = None
+    """Save every N iterations (and always at the end when save is set)."""
+
+    def __post_init__(self):
+        _require(self.save_interval is None or self.save_interval > 0,
+                 f"checkpoint.save_interval must be > 0, got {self.save_interval}")
+
+
+@dataclass
+class LoggingConfig:
+    log_interval: int = 1
+    """Print a log line every N iterations."""
+    tensorboard_dir: Optional[str] = None
+    """Directory for TensorBoard event files; None writes none."""
+    metrics_file: Optional[str] = None
+    """JSON-lines file that receives one record per log line."""
+
+    def __post_init__(self):
+        _positive("logging", log_interval=self.log_interval)
+
+
+@dataclass
+class TrainConfig:
+    micro_batch_size: int = 2
+    """Sequences per micro batch per data-parallel rank."""
+    global_batch_size: int = 8
+    """Sequences per optimizer step over all data-parallel ranks."""
+    train_iters: int = 50
+    """Optimizer steps to train."""
+    exit_interval: Optional[int] = None
+    """Stop (saving first when checkpoint.save is set) once the iteration is a multiple of this."""
+    eval_interval: Optional[int] = None
+    """Compute validation loss every N iterations; None never."""
+    eval_iters: int = 2
+    """Global batches per validation."""
+    seed: int = 1234
+    """Seed for initialisation and data order."""
+    device: str = "auto"
+    """'auto' (cuda when available), 'cpu' (fp32, gloo) or 'cuda' (bf16, NCCL)."""
+
+    def __post_init__(self):
+        _positive("train", micro_batch_size=self.micro_batch_size, global_batch_size=self.global_batch_size,
+                  train_iters=self.train_iters, eval_iters=self.eval_iters)
+        _require(self.exit_interval is None or self.exit_interval > 0,
+                 f"train.exit_interval must be > 0, got {self.exit_interval}")
+        _require(self.eval_interval is None or self.eval_interval > 0,
+                 f"train.eval_interval must be > 0, got {self.eval_interval}")
+        _require(self.device in ("auto", "cpu", "cuda"),
+                 f"train.device must be 'auto', 'cpu' or 'cuda', got '{self.device}'")
+        _require(self.global_batch_size % self.micro_batch_size == 0,
+                 f"train.micro_batch_size ({self.micro_batch_size}) must divide train.global_batch_size "
+                 f"({self.global_batch_size})")
+
+
+SECTIONS = {
+    "model": ModelConfig,
+    "parallel": ParallelConfig,
+    "optim": OptimConfig,
+    "zero_cache": ZeroCacheConfig,
+    "data": DataConfig,
+    "checkpoint": CheckpointConfig,
+    "logging": LoggingConfig,
+    "train": TrainConfig,
+}
+
+
+@dataclass
+class Config:
+    name: str = "custom"
+    """Preset the configuration started from."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    zero_cache: ZeroCacheConfig = field(default_factory=ZeroCacheConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def __post_init__(self):
+        tp = self.parallel.tensor_model_parallel_size
+        _require(self.model.num_attention_heads % tp == 0,
+                 f"parallel.tensor_model_parallel_size ({tp}) must divide model.num_attention_heads "
+                 f"({self.model.num_attention_heads})")
+        _require(self.model.num_query_groups % tp == 0,
+                 f"parallel.tensor_model_parallel_size ({tp}) must divide model.num_query_groups "
+                 f"({self.model.num_query_groups})")
+        _require(self.model.ffn_hidden_size % tp == 0,
+                 f"parallel.tensor_model_parallel_size ({tp}) must divide model.ffn_hidden_size "
+                 f"({self.model.ffn_hidden_size})")
+        pp = self.parallel.pipeline_model_parallel_size
+        _require(self.model.num_layers % pp == 0,
+                 f"parallel.pipeline_model_parallel_size ({pp}) must divide model.num_layers "
+                 f"({self.model.num_layers})")
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.parallel.tensor_model_parallel_size * self.parallel.pipeline_model_parallel_size
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """Checks the world size against TP x PP and the batch sizes; returns DP."""
+        mp = self.model_parallel_size
+        _require(world_size > 0 and world_size % mp == 0,
+                 f"world size {world_size} is not divisible by tensor x pipeline parallel size "
+                 f"({self.parallel.tensor_model_parallel_size} x {self.parallel.pipeline_model_parallel_size} = {mp})")
+        dp = world_size // mp
+        per_step = self.train.micro_batch_size * dp
+        _require(self.train.global_batch_size % per_step == 0,
+                 f"train.global_batch_size ({self.train.global_batch_size}) must be divisible by "
+                 f"train.micro_batch_size x data-parallel size ({self.train.micro_batch_size} x {dp} = {per_step})")
+        return dp
+
+    def padded_vocab_size(self) -> int:
+        multiple = self.model.make_vocab_size_divisible_by * self.parallel.tensor_model_parallel_size
+        return -(-self.model.vocab_size // multiple) * multiple

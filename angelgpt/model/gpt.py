@@ -1,0 +1,99 @@
+"""Megatron-core GPTModel from an angelgpt Config.
+
+The layer spec is Megatron's transformer-engine spec when transformer-engine imports on GPU, else
+Megatron's local spec with angelgpt's SDPA core attention (runs on CPU too).
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from angelgpt.config import Config, ConfigError
+
+
+def have_transformer_engine() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def use_transformer_engine(cfg: Config, on_gpu: bool) -> bool:
+    impl = cfg.model.transformer_impl
+    if impl == "transformer_engine":
+        if not (on_gpu and have_transformer_engine()):
+            raise ConfigError("model.transformer_impl is 'transformer_engine' but transformer-engine does not "
+                              "import here (it needs CUDA and `pip install angelgpt[te]`)")
+        return True
+    return impl == "auto" and on_gpu and have_transformer_engine()
+
+
+def transformer_config(cfg: Config, on_gpu: bool, perform_initialization: bool = True) -> TransformerConfig:
+    m = cfg.model
+    recompute = m.recompute == "full"
+    return TransformerConfig(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.num_query_groups,
+        kv_channels=m.kv_channels,
+        ffn_hidden_size=m.ffn_hidden_size,
+        hidden_dropout=m.hidden_dropout,
+        attention_dropout=m.attention_dropout,
+        init_method_std=m.init_method_std,
+        tensor_model_parallel_size=cfg.parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=cfg.parallel.pipeline_model_parallel_size,
+        pipeline_dtype=torch.bfloat16 if on_gpu else torch.float32,
+        params_dtype=torch.bfloat16 if on_gpu else torch.float32,
+        bf16=on_gpu,
+        # CPU initialisation draws the full (unsplit) weights from one RNG stream, so every TP
+        # size starts from the same model.
+        use_cpu_initialization=True,
+        perform_initialization=perform_initialization,
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        recompute_granularity="full" if recompute else None,
+        recompute_method="uniform" if recompute else None,
+        recompute_num_layers=1 if recompute else None,
+    )
+
+
+def layer_spec(cfg: Config, on_gpu: bool) -> ModuleSpec:
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if use_transformer_engine(cfg, on_gpu):
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+    from angelgpt.model.attention import SDPAttention
+
+    spec = gpt_layer_specs.get_gpt_layer_local_spec()
+    spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    return spec
+
+
+def build_gpt(cfg: Config, on_gpu: bool, perform_initialization: bool = True) -> GPTModel:
+    """Builds this rank's pipeline stage of the GPT; Megatron parallel_state must be initialised."""
+    if cfg.model.position_embedding_type == "rope" and not on_gpu:
+        raise ConfigError("model.position_embedding_type 'rope' needs CUDA (Megatron's RoPE allocates on "
+                          "CUDA); use 'learned_absolute' on CPU")
+    model = GPTModel(
+        config=transformer_config(cfg, on_gpu, perform_initialization),
+        transformer_layer_spec=layer_spec(cfg, on_gpu),
+        vocab_size=cfg.padded_vocab_size(),
+        max_sequence_length=cfg.model.seq_length,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=not cfg.model.untie_embeddings_and_output_weights,
+        position_embedding_type=cfg.model.position_embedding_type,
+    )
+    if on_gpu:
+        model.cuda(torch.cuda.current_device())
+    return model

@@ -1,0 +1,50 @@
+"""Process groups and Megatron parallel_state for one torchrun worker, and rank-aware printing."""
+
+from __future__ import annotations
+
+import os
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def initialize(tensor_parallel: int, pipeline_parallel: int, on_gpu: bool, timeout_s: int = 600) -> None:
+    """Creates the default group (NCCL on GPU, gloo on CPU) and Megatron's TP/PP/DP groups."""
+    from megatron.core import parallel_state
+
+    if on_gpu:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if on_gpu else "gloo", timeout=timedelta(seconds=timeout_s))
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_parallel,
+        pipeline_model_parallel_size=pipeline_parallel,
+    )
+
+
+def destroy() -> None:
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def print_rank_0(*args, **kwargs) -> None:
+    if rank() == 0:
+        print(*args, **kwargs, flush=True)
+
+
+def print_last_rank(*args, **kwargs) -> None:
+    """Prints on the global last rank, where the last pipeline stage computes the loss."""
+    last = dist.get_world_size() - 1 if dist.is_initialized() else 0
+    if rank() == last:
+        print(*args, **kwargs, flush=True)
+        sys.stdout.flush()

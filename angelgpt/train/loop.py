@@ -1,0 +1,163 @@
+"""The training loop: forward-backward over micro batches, optimizer step, LR schedule, eval, log, save."""
+
+from __future__ import annotations
+
+import math
+import time
+from functools import partial
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from angelgpt.config import Config
+from angelgpt.data.dataset import micro_batches
+from angelgpt.model.flops import flops_per_iteration
+from angelgpt.train import checkpoint
+from angelgpt.train.metrics import MetricsWriter, gpu_memory_gib, host_memory_gib
+
+
+def loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
+    """Mean next-token cross entropy over unmasked tokens; output is the per-token loss [b, s]."""
+    mask = loss_mask.reshape(-1).float()
+    loss = (output.float().reshape(-1) * mask).sum() / mask.sum().clamp(min=1.0)
+    return loss, {"lm loss": loss.detach()}
+
+
+def forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])  # [b, s]
+    return output, partial(loss_func, batch["loss_mask"])
+
+
+def forward_backward_cpu(forward_step_func, data_iterator, model, num_microbatches: int,
+                         forward_only: bool = False, **_) -> List[Dict[str, torch.Tensor]]:
+    """Megatron's no-pipelining schedule for CPU (Megatron's own allocates on CUDA)."""
+    reduced = []
+    for _ in range(num_microbatches):
+        output, finish = forward_step_func(data_iterator, model)
+        loss, stats = finish(output)
+        if not forward_only:
+            (loss / num_microbatches).backward()
+        reduced.append(stats)
+    return reduced
+
+
+def _mean_loss(stats: List[Dict[str, torch.Tensor]], device) -> float:
+    """Mean over micro batches, then over data-parallel ranks (last pipeline stage holds the loss)."""
+    if not parallel_state.is_pipeline_last_stage():
+        return float("nan")
+    loss = torch.stack([s["lm loss"] for s in stats]).mean().to(device)
+    dist.all_reduce(loss, group=parallel_state.get_data_parallel_group())
+    return loss.item() / parallel_state.get_data_parallel_world_size()
+
+
+class Trainer:
+    def __init__(self, cfg: Config, model, optimizer, scheduler, train_ds, valid_ds, on_gpu: bool):
+        self.cfg = cfg
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.train_ds = train_ds
+        self.valid_ds = valid_ds
+        self.on_gpu = on_gpu
+        self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+        self.dp = parallel_state.get_data_parallel_world_size()
+        self.num_microbatches = cfg.train.global_batch_size // (cfg.train.micro_batch_size * self.dp)
+        if on_gpu:
+            from megatron.core.pipeline_parallel import get_forward_backward_func
+
+            self.forward_backward = get_forward_backward_func()
+        else:
+            self.forward_backward = forward_backward_cpu
+        owns_log = (parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
+                    and parallel_state.get_data_parallel_rank() == 0)
+        self.writer = MetricsWriter(owns_log, cfg.logging.metrics_file, cfg.logging.tensorboard_dir)
+        self.iteration = 0
+        self.consumed = 0
+        self.skipped = 0
+
+    def _run(self, iterator, forward_only: bool):
+        return self.forward_backward(
+            forward_step_func=forward_step, data_iterator=iterator, model=[self.model] if self.on_gpu else self.model,
+            num_microbatches=self.num_microbatches, seq_length=self.cfg.model.seq_length,
+            micro_batch_size=self.cfg.train.micro_batch_size, forward_only=forward_only,
+        )
+
+    def _zero_grad(self) -> None:
+        if self.on_gpu:
+            self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        self.model.eval()
+        it = micro_batches(self.valid_ds, 0, self.cfg.train.micro_batch_size,
+                           parallel_state.get_data_parallel_rank(), self.dp, self.device)
+        losses = [_mean_loss(self._run(it, forward_only=True), self.device) for _ in range(self.cfg.train.eval_iters)]
+        self.model.train()
+        return sum(losses) / len(losses)
+
+    def maybe_resume(self) -> None:
+        if self.cfg.checkpoint.load:
+            self.iteration, self.consumed = checkpoint.load(self.cfg.checkpoint.load, self.model,
+                                                            self.optimizer, self.scheduler)
+
+    def save(self) -> None:
+        checkpoint.save(self.cfg.checkpoint.save, self.iteration, self.consumed, self.model,
+                        self.optimizer, self.scheduler)
+
+    def train(self) -> float:
+        cfg = self.cfg
+        world = dist.get_world_size()
+        flops = flops_per_iteration(cfg)
+        tokens_per_iter = cfg.train.global_batch_size * cfg.model.seq_length
+        it = micro_batches(self.train_ds, self.consumed, cfg.train.micro_batch_size,
+                           parallel_state.get_data_parallel_rank(), self.dp, self.device)
+        self.model.train()
+        loss = float("nan")
+        window_start, window_iters = time.perf_counter(), 0
+        last = self.iteration >= cfg.train.train_iters
+        while not last:
+            self._zero_grad()
+            stats = self._run(it, forward_only=False)
+            ok, grad_norm, _ = self.optimizer.step()
+            grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
+            if ok and math.isfinite(grad_norm):
+                self.scheduler.step(increment=1)
+            else:
+                self.skipped += 1
+            self.iteration += 1
+            self.consumed += cfg.train.global_batch_size
+            window_iters += 1
+            loss = _mean_loss(stats, self.device)
+            last = self.iteration == cfg.train.train_iters or bool(
+                cfg.train.exit_interval and self.iteration % cfg.train.exit_interval == 0)
+            val_loss = None
+            if cfg.train.eval_interval and (self.iteration % cfg.train.eval_interval == 0 or last) and self.valid_ds:
+                val_loss = self.evaluate()
+            if self.iteration % cfg.logging.log_interval == 0 or last or val_loss is not None:
+                if self.on_gpu:
+                    torch.cuda.synchronize()
+                elapsed = (time.perf_counter() - window_start) / window_iters
+                self.writer.log({
+                    "iteration": self.iteration,
+                    "lm_loss": loss,
+                    "val_loss": val_loss,
+                    "lr": self.optimizer.param_groups[0]["lr"],
+                    "grad_norm": grad_norm,
+                    "elapsed_ms": elapsed * 1000.0,
+                    "tokens_per_s": tokens_per_iter / elapsed,
+                    "tflops_per_gpu": flops / elapsed / world / 1e12,
+                    "mem_gpu_gib": gpu_memory_gib(),
+                    "mem_host_gib": host_memory_gib(),
+                    "consumed_samples": self.consumed,
+                }, cfg.train.train_iters, self.consumed, self.skipped)
+                window_start, window_iters = time.perf_counter(), 0
+            if cfg.checkpoint.save and (last or (cfg.checkpoint.save_interval
+                                                 and self.iteration % cfg.checkpoint.save_interval == 0)):
+                self.save()
+                window_start, window_iters = time.perf_counter(), 0
+        self.writer.close()
+        return loss

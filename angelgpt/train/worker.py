@@ -1,0 +1,109 @@
+"""torchrun worker: one process per GPU (or CPU rank). `angelgpt train` launches it.
+
+    torchrun --standalone --nproc-per-node 2 -m angelgpt.train.worker --size tiny train.device=cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+
+
+def _args(argv):
+    parser = argparse.ArgumentParser(prog="angelgpt.train.worker")
+    parser.add_argument("--size", default=None)
+    parser.add_argument("--config", default=None)
+    parser.add_argument("overrides", nargs="*")
+    return parser.parse_args(argv)
+
+
+def build(cfg, on_gpu: bool):
+    """Model, optimizer and scheduler for this rank."""
+    from angelgpt.model.gpt import build_gpt
+    from angelgpt.train.optim import CPUDataParallelAdamW, build_megatron_optimizer, build_scheduler
+
+    model = build_gpt(cfg, on_gpu)
+    if on_gpu:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed import finalize_model_grads
+
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                   use_distributed_optimizer=True)
+        model = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+        model.config.finalize_model_grads_func = finalize_model_grads
+        optimizer = build_megatron_optimizer(model, cfg)
+    else:
+        optimizer = CPUDataParallelAdamW(model, cfg)
+    return model, optimizer, build_scheduler(optimizer, cfg)
+
+
+def run(cfg) -> float:
+    import torch
+    from megatron.core import parallel_state
+
+    from angelgpt import parallel
+    from angelgpt.config import ConfigError
+    from angelgpt.data.dataset import build_datasets
+    from angelgpt.data.tokenizer import MockTokenizer, load_tokenizer
+    from angelgpt.train.loop import Trainer
+
+    on_gpu = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
+    if cfg.optim.optimizer == "zero_cache":
+        raise ConfigError("optim.optimizer 'zero_cache' is not available in this build yet; use 'megatron'")
+    if not on_gpu and cfg.parallel.pipeline_model_parallel_size > 1:
+        raise ConfigError("parallel.pipeline_model_parallel_size > 1 needs CUDA (Megatron's pipeline "
+                          "schedules allocate on CUDA)")
+    if on_gpu and not torch.cuda.is_available():
+        raise ConfigError("train.device is 'cuda' but no CUDA GPU is visible")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cfg.data_parallel_size(world)
+    parallel.initialize(cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size, on_gpu)
+    torch.manual_seed(cfg.train.seed)
+    if on_gpu:
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(cfg.train.seed)
+    else:
+        torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+
+    tokenizer = MockTokenizer(cfg.model.vocab_size) if cfg.data.is_mock else load_tokenizer(cfg.data.tokenizer)
+    if tokenizer.vocab_size > cfg.padded_vocab_size():
+        raise ConfigError(f"tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size is "
+                          f"{cfg.model.vocab_size}; set model.vocab_size={tokenizer.vocab_size}")
+    model, optimizer, scheduler = build(cfg, on_gpu)
+    gb = cfg.train.global_batch_size
+    valid_samples = cfg.train.eval_iters * gb if cfg.train.eval_interval else 0
+    train_ds, valid_ds = build_datasets(cfg, tokenizer, cfg.train.train_iters * gb, valid_samples)
+    trainer = Trainer(cfg, model, optimizer, scheduler, train_ds, valid_ds, on_gpu)
+    trainer.maybe_resume()
+    parallel.print_rank_0(f"training from iteration {trainer.iteration} to {cfg.train.train_iters} "
+                          f"(DP={parallel_state.get_data_parallel_world_size()}, "
+                          f"TP={cfg.parallel.tensor_model_parallel_size}, PP={cfg.parallel.pipeline_model_parallel_size}, "
+                          f"device={'cuda' if on_gpu else 'cpu'})")
+    return trainer.train()
+
+
+def main(argv=None) -> int:
+    warnings.filterwarnings("ignore", category=UserWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    from angelgpt.config import ConfigError, resolve
+
+    args = _args(sys.argv[1:] if argv is None else argv)
+    try:
+        cfg = resolve(args.size, args.config, args.overrides)
+        run(cfg)
+    except ConfigError as exc:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"angelgpt: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        from angelgpt import parallel
+
+        parallel.destroy()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
