@@ -24,6 +24,31 @@ from angelgpt.config import ConfigError
 TRACKER = "latest_checkpointed_iteration.txt"
 
 
+def _save_strategy():
+    """Megatron's torch_dist saver runs its writes through an async path that calls CUDA; on a
+    CPU-only torch the same format is written synchronously with PyTorch DCP and Megatron's planner,
+    and Megatron's loader reads it back unchanged."""
+    if torch.cuda.is_available():
+        return None
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        MCoreSavePlanner,
+        TorchDistSaveShardedStrategy,
+        _replace_state_dict_keys_with_sharded_keys,
+        mcore_to_pyt_state_dict,
+    )
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint import save as dcp_save
+
+    class CPUSaveStrategy(TorchDistSaveShardedStrategy):
+        def save(self, sharded_state_dict, checkpoint_dir):
+            state, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
+            dcp_save(mcore_to_pyt_state_dict(state, False), storage_writer=FileSystemWriter(str(checkpoint_dir)),
+                     planner=MCoreSavePlanner(dedup_replicated_tensors=not self.keep_only_main_replica,
+                                              flatten_state_dict=False))
+
+    return CPUSaveStrategy("torch_dist", 1)
+
+
 def _iter_dir(root: Path, iteration: int) -> Path:
     return root / f"iter_{iteration:07d}"
 
@@ -76,7 +101,8 @@ def save(root: str, iteration: int, consumed: int, model, optimizer, scheduler) 
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
-    dist_checkpointing.save(_state(model, optimizer, scheduler, iteration, consumed, loading=False), str(tmp))
+    dist_checkpointing.save(_state(model, optimizer, scheduler, iteration, consumed, loading=False), str(tmp),
+                            sharded_strategy=_save_strategy())
     dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(final, ignore_errors=True)
