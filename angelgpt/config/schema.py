@@ -7,6 +7,7 @@ the value and what is allowed.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import List, Optional, Union
 
@@ -214,6 +215,18 @@ class DataConfig:
     def is_mock(self) -> bool:
         return self.paths == "mock"
 
+    def check_files(self) -> None:
+        """Every dataset prefix has its .bin and .idx; a tokenizer is named for real data."""
+        if self.is_mock:
+            return
+        items = [self.paths] if isinstance(self.paths, str) else self.paths
+        prefixes = items[1::2] if len(items) > 1 else items
+        for prefix in prefixes:
+            for ext in (".bin", ".idx"):
+                _require(os.path.isfile(f"{prefix}{ext}"),
+                         f"data.paths: {prefix}{ext} not found (prefixes name files without .bin/.idx)")
+        _require(self.tokenizer is not None, "data.tokenizer must be set when data.paths names real data")
+
 
 @dataclass
 class CheckpointConfig:
@@ -332,6 +345,18 @@ class Config:
                  f"train.global_batch_size ({self.train.global_batch_size}) must be divisible by "
                  f"train.micro_batch_size x data-parallel size ({self.train.micro_batch_size} x {dp} = {per_step})")
         return dp
+
+    def check_device(self, on_gpu: bool) -> None:
+        """Refuses what this build cannot run on the chosen device."""
+        _require(self.optim.optimizer != "zero_cache",
+                 "optim.optimizer 'zero_cache' is not available in this build yet; use 'megatron'")
+        if not on_gpu:
+            _require(self.parallel.pipeline_model_parallel_size == 1,
+                     "parallel.pipeline_model_parallel_size > 1 needs CUDA (Megatron's pipeline schedules "
+                     "allocate on CUDA)")
+            _require(self.model.position_embedding_type != "rope",
+                     "model.position_embedding_type 'rope' needs CUDA (Megatron's RoPE allocates on CUDA); "
+                     "use 'learned_absolute' on CPU")
 
     def padded_vocab_size(self) -> int:
         multiple = self.model.make_vocab_size_divisible_by * self.parallel.tensor_model_parallel_size

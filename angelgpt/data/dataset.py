@@ -7,11 +7,11 @@ micro batch. Resuming from ``consumed_samples`` therefore replays the exact same
 
 from __future__ import annotations
 
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterator
 
 import torch
 
-from angelgpt.config import Config, ConfigError
+from angelgpt.config import Config
 
 
 def _ensure_helpers() -> None:
@@ -24,28 +24,17 @@ def _ensure_helpers() -> None:
         compile_helpers()
 
 
-def _blend(cfg: Config) -> Tuple[List[str], Optional[List[float]]]:
-    paths = cfg.data.paths
-    items = [paths] if isinstance(paths, str) else list(paths)
-    from megatron.core.datasets.utils import get_blend_from_list
-
-    prefixes, weights = get_blend_from_list([str(x) for x in items])
-    for prefix in prefixes:
-        for ext in (".bin", ".idx"):
-            try:
-                open(prefix + ext, "rb").close()
-            except OSError:
-                raise ConfigError(f"data.paths: {prefix}{ext} not found (prefixes name files without .bin/.idx)")
-    return prefixes, weights
-
-
 def build_datasets(cfg: Config, tokenizer, train_samples: int, valid_samples: int):
     """Returns (train, valid) datasets; valid is None when the split gives it nothing."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 
     _ensure_helpers()
-    blend = None if cfg.data.is_mock else _blend(cfg)
+    from megatron.core.datasets.utils import get_blend_from_list
+
+    cfg.data.check_files()
+    paths = cfg.data.paths
+    blend = None if cfg.data.is_mock else get_blend_from_list([str(x) for x in ([paths] if isinstance(paths, str) else paths)])
     ds_config = GPTDatasetConfig(
         random_seed=cfg.train.seed,
         sequence_length=cfg.model.seq_length,

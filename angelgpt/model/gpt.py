@@ -81,9 +81,6 @@ def layer_spec(cfg: Config, on_gpu: bool) -> ModuleSpec:
 
 def build_gpt(cfg: Config, on_gpu: bool, perform_initialization: bool = True) -> GPTModel:
     """Builds this rank's pipeline stage of the GPT; Megatron parallel_state must be initialised."""
-    if cfg.model.position_embedding_type == "rope" and not on_gpu:
-        raise ConfigError("model.position_embedding_type 'rope' needs CUDA (Megatron's RoPE allocates on "
-                          "CUDA); use 'learned_absolute' on CPU")
     model = GPTModel(
         config=transformer_config(cfg, on_gpu, perform_initialization),
         transformer_layer_spec=layer_spec(cfg, on_gpu),

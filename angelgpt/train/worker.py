@@ -50,11 +50,7 @@ def run(cfg) -> float:
     from angelgpt.train.loop import Trainer
 
     on_gpu = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
-    if cfg.optim.optimizer == "zero_cache":
-        raise ConfigError("optim.optimizer 'zero_cache' is not available in this build yet; use 'megatron'")
-    if not on_gpu and cfg.parallel.pipeline_model_parallel_size > 1:
-        raise ConfigError("parallel.pipeline_model_parallel_size > 1 needs CUDA (Megatron's pipeline "
-                          "schedules allocate on CUDA)")
+    cfg.check_device(on_gpu)
     if on_gpu and not torch.cuda.is_available():
         raise ConfigError("train.device is 'cuda' but no CUDA GPU is visible")
     world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -1,0 +1,1 @@
+"""Command line: the Typer app (`app.py`) and the torchrun launcher (`launch.py`)."""

@@ -1,0 +1,163 @@
+"""The `angelgpt` command (Typer). Parses, resolves config, prints, launches torchrun.
+
+    angelgpt presets list
+    angelgpt presets show 55 --json
+    angelgpt train --size tiny --device cpu
+    angelgpt train --size 1.3b train.global_batch_size=512 --dry-run
+
+Nothing here imports torch.distributed at import time, so `--help` is instant. Bad input gets one
+line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import List, Optional
+
+import typer
+import yaml
+
+from angelgpt.config import ConfigError, preset_names, resolve, to_dict
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  rich_markup_mode=None, help="GPT pretraining on Megatron-core with ZeRO-Cache.")
+presets_app = typer.Typer(no_args_is_help=True, help="List and show size presets.")
+app.add_typer(presets_app, name="presets")
+
+
+def fail(message: str) -> None:
+    print(f"angelgpt: error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def _summary(cfg) -> dict:
+    from angelgpt.model.flops import num_params
+
+    return {"config": to_dict(cfg), "params": num_params(cfg), "padded_vocab_size": cfg.padded_vocab_size()}
+
+
+@presets_app.command("list")
+def presets_list() -> None:
+    """One line per preset: name, layers x hidden, heads, parameters."""
+    from angelgpt.model.flops import num_params
+
+    print(f"{'preset':<10} {'layers':>6} {'hidden':>6} {'heads':>5} {'seq':>5} {'params':>9}  optimizer")
+    for name in preset_names():
+        cfg = resolve(name)
+        m = cfg.model
+        print(f"{name:<10} {m.num_layers:>6} {m.hidden_size:>6} {m.num_attention_heads:>5} {m.seq_length:>5} "
+              f"{num_params(cfg) / 1e9:>8.3f}B  {cfg.optim.optimizer}")
+
+
+@presets_app.command("show")
+def presets_show(name: str = typer.Argument(..., help="preset name"),
+                 as_json: bool = typer.Option(False, "--json", help="print JSON (config and params)")) -> None:
+    """The resolved config of a preset and the exact parameter count of its GPT."""
+    summary = _summary(resolve(name))
+    if as_json:
+        print(json.dumps(summary, indent=2))
+    else:
+        print(yaml.safe_dump(summary["config"], sort_keys=False).rstrip())
+        print(f"params: {summary['params']:,}")
+
+
+def _detect_gpu(device: Optional[str]) -> bool:
+    if device == "cpu":
+        return False
+    import torch
+
+    available = torch.cuda.is_available()
+    if device == "cuda" and not available:
+        fail("--device cuda but no CUDA GPU is visible")
+    return available
+
+
+@app.command(context_settings={"allow_extra_args": False})
+def train(
+    overrides: Optional[List[str]] = typer.Argument(None, help="KEY=VALUE config overrides (section.field)"),
+    size: Optional[str] = typer.Option(None, "--size", help="preset name (see `angelgpt presets list`)"),
+    config: Optional[str] = typer.Option(None, "--config", help="YAML file layered over the preset"),
+    nproc_per_node: Optional[int] = typer.Option(None, "--nproc-per-node", help="workers per node"),
+    nnodes: int = typer.Option(1, "--nnodes", min=1),
+    node_rank: int = typer.Option(0, "--node-rank", min=0),
+    master_addr: Optional[str] = typer.Option(None, "--master-addr"),
+    master_port: Optional[int] = typer.Option(None, "--master-port"),
+    rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help="HOST:PORT (c10d rendezvous)"),
+    max_restarts: int = typer.Option(0, "--max-restarts", min=0, help="torchrun restarts on worker failure"),
+    device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="print config and torchrun command, launch nothing"),
+    metrics_file: Optional[str] = typer.Option(None, "--metrics-file", help="JSON-lines metrics output"),
+    save: Optional[str] = typer.Option(None, "--save", help="checkpoint directory to save into"),
+    load: Optional[str] = typer.Option(None, "--load", help="checkpoint directory to resume from"),
+) -> None:
+    """Resolve the config, print it and the parameter count, and launch torchrun workers."""
+    from angelgpt.cli import launch
+    from angelgpt.model.flops import num_params
+
+    extra = list(overrides or [])
+    if device not in (None, "cpu", "cuda"):
+        fail(f"--device must be 'cpu' or 'cuda', got '{device}'")
+    if device:
+        extra.append(f"train.device={device}")
+    if metrics_file:
+        extra.append(f"logging.metrics_file={metrics_file}")
+    if save:
+        extra.append(f"checkpoint.save={save}")
+    if load:
+        extra.append(f"checkpoint.load={load}")
+    cfg = resolve(size, config, extra)
+    on_gpu = _detect_gpu(device or (None if cfg.train.device == "auto" else cfg.train.device))
+    if nproc_per_node is None:
+        if on_gpu:
+            import torch
+
+            nproc_per_node = torch.cuda.device_count()
+        else:
+            nproc_per_node = cfg.model_parallel_size
+    if nproc_per_node < 1:
+        fail(f"--nproc-per-node must be >= 1, got {nproc_per_node}")
+    dp = cfg.data_parallel_size(nproc_per_node * nnodes)
+    cfg.check_device(on_gpu)
+    cfg.data.check_files()
+    if not on_gpu and "train.device=cpu" not in extra:
+        extra.append("train.device=cpu")
+
+    worker_args = (["--size", size] if size else []) + (["--config", config] if config else []) + extra
+    rdzv = launch.Rendezvous(nproc_per_node, nnodes, node_rank, master_addr, master_port, rdzv_endpoint, max_restarts)
+    cmd = launch.torchrun_command(rdzv, worker_args)
+    print(yaml.safe_dump(to_dict(cfg), sort_keys=False).rstrip())
+    params = num_params(cfg)
+    print(f"params: {params:,} ({params / 1e9:.3f}B) | world size {nproc_per_node * nnodes} = "
+          f"TP {cfg.parallel.tensor_model_parallel_size} x PP {cfg.parallel.pipeline_model_parallel_size} x DP {dp}")
+    print(f"torchrun command: {launch.format_command(cmd)}", flush=True)
+    if dry_run:
+        return
+    rc = launch.run(cmd, launch.worker_env(on_gpu, nproc_per_node))
+    if rc != 0:
+        print(f"angelgpt: error: training workers exited with code {rc}", file=sys.stderr, flush=True)
+        raise SystemExit(2 if rc == 2 else 1)
+
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    """Entry point: one-line errors, exit 2 on bad input, never a traceback for it."""
+    command = typer.main.get_command(app)
+    try:
+        command.main(args=argv, prog_name="angelgpt", standalone_mode=False)
+    except ConfigError as exc:
+        fail(str(exc))
+    except typer.Exit as exc:
+        raise SystemExit(exc.exit_code)
+    except typer.Abort:
+        fail("aborted")
+    except typer.TyperException as exc:
+        ctx = getattr(exc, "ctx", None)
+        if type(exc).__name__ == "NoArgsIsHelpError" and ctx is not None:
+            print(ctx.get_help())
+            raise SystemExit(0)
+        message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
+        where = f"{ctx.command_path}: " if ctx is not None else ""
+        fail(where + " ".join(message.split()))
+    except KeyboardInterrupt:
+        raise SystemExit(130)

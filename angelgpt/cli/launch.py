@@ -1,0 +1,52 @@
+"""Build the torchrun command for `angelgpt train` and run it. No torch import here."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import List, Optional
+
+
+@dataclass
+class Rendezvous:
+    nproc_per_node: int
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: Optional[str] = None
+    master_port: Optional[int] = None
+    rdzv_endpoint: Optional[str] = None
+    max_restarts: int = 0
+
+
+def torchrun_command(rdzv: Rendezvous, worker_args: List[str]) -> List[str]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(rdzv.nproc_per_node)]
+    if rdzv.rdzv_endpoint:
+        cmd += ["--nnodes", str(rdzv.nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv.rdzv_endpoint]
+    elif rdzv.nnodes > 1 or rdzv.master_addr:
+        cmd += ["--nnodes", str(rdzv.nnodes), "--node-rank", str(rdzv.node_rank),
+                "--master-addr", rdzv.master_addr or "127.0.0.1", "--master-port", str(rdzv.master_port or 29500)]
+    else:
+        cmd += ["--standalone"]
+    if rdzv.max_restarts:
+        cmd += ["--max-restarts", str(rdzv.max_restarts)]
+    return cmd + ["-m", "angelgpt.train.worker"] + worker_args
+
+
+def worker_env(on_gpu: bool, nproc_per_node: int) -> dict:
+    env = dict(os.environ)
+    env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, nproc_per_node))))
+    env.setdefault("PYTHONWARNINGS", "ignore")
+    return env
+
+
+def format_command(cmd: List[str]) -> str:
+    return " ".join(shlex.quote(c) for c in cmd)
+
+
+def run(cmd: List[str], env: dict) -> int:
+    return subprocess.call(cmd, env=env)
