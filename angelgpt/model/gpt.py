@@ -51,9 +51,9 @@ def transformer_config(cfg: Config, on_gpu: bool, perform_initialization: bool =
         pipeline_dtype=torch.bfloat16 if on_gpu else torch.float32,
         params_dtype=torch.bfloat16 if on_gpu else torch.float32,
         bf16=on_gpu,
-        # CPU initialisation draws the full (unsplit) weights from one RNG stream, so every TP
-        # size starts from the same model.
-        use_cpu_initialization=True,
+        # On CPU the full (unsplit) weights come from one RNG stream, so every TP size starts from
+        # the same model; on GPU each rank initialises its shard in place (Megatron's RNG tracker).
+        use_cpu_initialization=not on_gpu,
         perform_initialization=perform_initialization,
         gradient_accumulation_fusion=False,
         bias_activation_fusion=False,

@@ -1,0 +1,110 @@
+"""Training throughput benchmark: runs `angelgpt train` and writes one result file.
+
+    python scripts/bench_train.py --name h200-5b-megatron --size h200-5b --iters 12 --warmup 4 \
+        --goal-tflops 540 -- optim.optimizer=megatron
+
+The result JSON (under --out, default benchmarks/results/) holds the exact command, the commit, the
+machine, per-iteration records, and medians after warm-up of TFLOP/s/GPU and tokens/s, and peak memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def machine() -> dict:
+    info = {"host": platform.node(), "python": platform.python_version(), "cpus": os.cpu_count()}
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            p = torch.cuda.get_device_properties(0)
+            info.update(gpu=p.name, gpu_count=torch.cuda.device_count(), gpu_mem_gib=round(p.total_memory / 2**30, 1),
+                        cuda=torch.version.cuda)
+    except ImportError:
+        pass
+    return info
+
+
+def commit() -> str:
+    if os.environ.get("ANGELGPT_COMMIT"):
+        return os.environ["ANGELGPT_COMMIT"]
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=ROOT, text=True).strip()
+    except Exception:
+        return "unknown"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--name", required=True)
+    ap.add_argument("--size", required=True)
+    ap.add_argument("--iters", type=int, default=12)
+    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--goal-tflops", type=float, default=None)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args()
+    if args.iters <= args.warmup:
+        print("bench_train: --iters must exceed --warmup", file=sys.stderr)
+        return 2
+
+    metrics = Path(tempfile.mkdtemp()) / "metrics.jsonl"
+    cmd = [sys.executable, "-m", "angelgpt", "train", "--size", args.size, "--metrics-file", str(metrics),
+           f"train.train_iters={args.iters}", "logging.log_interval=1", *args.overrides]
+    printable = "python -m angelgpt " + " ".join(shlex.quote(c) for c in cmd[3:] if c != str(metrics)
+                                                  and c != "--metrics-file")
+    print("running:", printable, flush=True)
+    start = time.time()
+    proc = subprocess.run(cmd, cwd=ROOT, text=True, capture_output=True)
+    sys.stdout.write(proc.stdout[-6000:])
+    sys.stderr.write(proc.stderr[-6000:])
+    records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    steady = [r for r in records if r["iteration"] > args.warmup]
+    result = {
+        "name": args.name,
+        "command": printable,
+        "bench_command": "python scripts/bench_train.py " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+        "commit": commit(),
+        "machine": machine(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "returncode": proc.returncode,
+        "wall_s": round(time.time() - start, 1),
+        "warmup_iters": args.warmup,
+        "records": records,
+    }
+    if steady:
+        result.update(
+            tflops_per_gpu_median=statistics.median(r["tflops_per_gpu"] for r in steady),
+            tokens_per_s_median=statistics.median(r["tokens_per_s"] for r in steady),
+            elapsed_ms_median=statistics.median(r["elapsed_ms"] for r in steady),
+            peak_gpu_gib=max(r["mem_gpu_gib"] for r in records),
+            peak_host_gib=max(r["mem_host_gib"] for r in records),
+        )
+        if args.goal_tflops:
+            result["goal_tflops_per_gpu"] = args.goal_tflops
+            result["goal_met"] = result["tflops_per_gpu_median"] >= args.goal_tflops
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{args.name}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {path}: " + json.dumps({k: v for k, v in result.items() if k.endswith("median") or k.startswith("goal")
+                                           or k.startswith("peak")}))
+    return 0 if proc.returncode == 0 and steady else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
