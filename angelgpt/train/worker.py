@@ -28,7 +28,9 @@ def build(cfg, on_gpu: bool):
     if on_gpu:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed import finalize_model_grads
+        from megatron.core.transformer.module import Float16Module
 
+        model = Float16Module(model.config, model)  # bf16 weights and inputs, fp32 loss
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                    use_distributed_optimizer=True)
         model = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
