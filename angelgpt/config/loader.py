@@ -62,6 +62,8 @@ def _canonical_key(key: str) -> typing.Tuple[str, str]:
         if name not in {f.name for f in dataclasses.fields(SECTIONS[section])}:
             raise ConfigError(f"unknown key '{key}': {section} has no field '{name}'")
         return section, name
+    if key in SECTIONS:  # `data=mock`: a scalar for a whole section sets its first field
+        return key, dataclasses.fields(SECTIONS[key])[0].name
     owners = _field_index().get(key)
     if not owners:
         raise ConfigError(f"unknown key '{key}': use section.field, sections are {', '.join(SECTIONS)}")

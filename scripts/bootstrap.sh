@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Creates .venv (when missing) and installs angelgpt with its test extras into it. Safe to run again.
+#   bash scripts/bootstrap.sh            # then .venv/bin/angelgpt ...
+# Torch: an already importable torch in .venv is kept; otherwise torch 2.13.0 is installed
+# (the CPU build where a local wheel provides it, else PyPI's default build).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/python -m pip install -q "torch==2.13.0"
+.venv/bin/python -m pip install -q -e ".[test]"

@@ -1,0 +1,75 @@
+"""Every bad input: exit code 2, one line on stderr naming the problem, no traceback, nothing launched."""
+
+import pytest
+
+from tests.conftest import run_cli
+
+CASES = {
+    "unknown preset": (["train", "--size", "nope"], "unknown preset 'nope'"),
+    "unknown key": (["train", "--size", "tiny", "model.depth=3"], "unknown key 'model.depth'"),
+    "unknown bare key": (["train", "--size", "tiny", "depth=3"], "unknown key 'depth'"),
+    "wrong type": (["train", "--size", "tiny", "model.num_layers=abc"], "model.num_layers: expected int"),
+    "heads not dividing hidden": (["train", "--size", "tiny", "model.hidden_size=65"],
+                                  "must divide model.hidden_size"),
+    "tp not dividing heads": (["train", "--size", "tiny", "parallel.tensor_model_parallel_size=3"],
+                              "tensor_model_parallel_size (3) must divide model.num_attention_heads"),
+    "world size vs tp x pp": (["train", "--size", "tiny", "--device", "cpu", "--nproc-per-node", "3",
+                               "parallel.tensor_model_parallel_size=2"], "world size 3 is not divisible"),
+    "micro batch vs global batch": (["train", "--size", "tiny", "train.micro_batch_size=3"],
+                                    "micro_batch_size (3) must divide train.global_batch_size"),
+    "micro batch x dp vs global batch": (["train", "--size", "tiny", "--device", "cpu", "--nproc-per-node", "2",
+                                          "train.micro_batch_size=8"], "must be divisible by train.micro_batch_size"),
+    "missing file": (["train", "--config", "/nonexistent/x.yaml"], "config file not found"),
+    "unknown option": (["train", "--bogus"], "No such option: --bogus"),
+    "bad device": (["train", "--size", "tiny", "--device", "gpu"], "--device must be 'cpu' or 'cuda'"),
+    "missing data": (["train", "--size", "tiny", "--device", "cpu", "data.paths=/nonexistent/ds"],
+                     "/nonexistent/ds.bin not found"),
+    "pipeline on cpu": (["train", "--size", "tiny", "--device", "cpu", "--nproc-per-node", "2",
+                         "parallel.pipeline_model_parallel_size=2"], "needs CUDA"),
+}
+
+
+def check_one_line_error(proc, needle):
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("angelgpt: error: ") and needle in lines[0], lines[0]
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert "torchrun command" not in proc.stdout  # nothing launched
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_input(case):
+    args, needle = CASES[case]
+    check_one_line_error(run_cli(*args), needle)
+
+
+def test_malformed_yaml(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  num_layers: [1,\n")
+    check_one_line_error(run_cli("train", "--config", bad), "malformed YAML")
+
+
+def test_yaml_not_a_mapping(tmp_path):
+    bad = tmp_path / "list.yaml"
+    bad.write_text("- 1\n- 2\n")
+    check_one_line_error(run_cli("train", "--config", bad), "must hold a mapping")
+
+
+def test_dry_run_prints_command_and_exits_0():
+    proc = run_cli("train", "--size", "tiny", "--device", "cpu", "--nproc-per-node", "2", "--dry-run", "num_layers=3")
+    assert proc.returncode == 0, proc.stderr
+    assert "num_layers: 3" in proc.stdout
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("torchrun command: "))
+    assert "-m torch.distributed.run --nproc-per-node 2 --standalone -m angelgpt.train.worker" in line
+    assert "num_layers=3" in line and "train.device=cpu" in line
+
+
+def test_help_does_not_import_torch_distributed():
+    import subprocess
+    import sys
+
+    code = ("import sys; from angelgpt.cli.app import app; "
+            "print('torch.distributed' in sys.modules, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.split()
+    assert out == ["False", "False"]

@@ -1,0 +1,50 @@
+"""Precedence: KEY=VALUE overrides > user YAML > preset > dataclass defaults."""
+
+import pytest
+
+from angelgpt.config import ConfigError, resolve
+from angelgpt.config.schema import Config
+
+
+def test_precedence(tmp_path):
+    user = tmp_path / "user.yaml"
+    user.write_text("model:\n  num_layers: 3\n  hidden_size: 128\ntrain:\n  train_iters: 7\n")
+    cfg = resolve("tiny", str(user), ["model.num_layers=5"])
+    assert cfg.model.num_layers == 5          # override beats YAML
+    assert cfg.model.hidden_size == 128       # YAML beats preset (64)
+    assert cfg.model.seq_length == 64         # preset beats default (128)
+    assert cfg.optim.adam_beta2 == Config().optim.adam_beta2  # default where nobody speaks
+    assert cfg.train.train_iters == 7
+
+
+def test_bare_keys_and_scalar_sections():
+    cfg = resolve("tiny", overrides=["num_layers=4", "prefetch_cache_sub_group_rate=auto", "data=mock"])
+    assert cfg.model.num_layers == 4
+    assert cfg.zero_cache.prefetch_cache_sub_group_rate == "auto"
+    assert cfg.data.is_mock
+
+
+def test_derived_fields():
+    cfg = resolve("custom", overrides=["hidden_size=96", "num_attention_heads=6"])
+    assert cfg.model.kv_channels == 16 and cfg.model.ffn_hidden_size == 384 and cfg.model.num_query_groups == 6
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["zero_cache.prefetch_cache_sub_group_rate=1.5"], "prefetch_cache_sub_group_rate"),
+    (["zero_cache.max_contigous_params_size=0"], "max_contigous_params_size"),
+    (["optim.optimizer=sgd"], "optim.optimizer"),
+    (["train.device=tpu"], "train.device"),
+    (["num_layers=true"], "model.num_layers"),
+])
+def test_section_checks(overrides, needle):
+    with pytest.raises(ConfigError, match=needle):
+        resolve("tiny", overrides=overrides)
+
+
+def test_world_size_checks():
+    cfg = resolve("tiny", overrides=["parallel.tensor_model_parallel_size=2"])
+    assert cfg.data_parallel_size(4) == 2
+    with pytest.raises(ConfigError, match="not divisible"):
+        cfg.data_parallel_size(3)
+    with pytest.raises(ConfigError, match="global_batch_size"):
+        resolve("tiny", overrides=["train.micro_batch_size=8"]).data_parallel_size(2)

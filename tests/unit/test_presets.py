@@ -1,0 +1,78 @@
+"""Presets resolve by name; the 28 and 55 presets carry the reference shapes; params is exact."""
+
+import json
+
+import pytest
+import torch
+
+from angelgpt.config import resolve
+from angelgpt.model.flops import num_params
+from tests.conftest import run_cli
+
+SEED = {
+    "28": dict(num_layers=26, hidden_size=8192, num_attention_heads=128, ffn_hidden_size=32768, kv_channels=128,
+               micro_batch_size=38, rate=0.0, billions=28.3),
+    "55": dict(num_layers=68, hidden_size=8192, num_attention_heads=64, ffn_hidden_size=32768, kv_channels=128,
+               micro_batch_size=10, rate=0.1, billions=55.2),
+}
+
+
+def built_params(cfg, layers):
+    """Parameter count of a real Megatron GPTModel at cfg's width with `layers` layers (meta tensors)."""
+    from megatron.core import parallel_state
+
+    from angelgpt.model.gpt import build_gpt
+
+    small = resolve(cfg.name, overrides=[f"model.num_layers={layers}"])
+    with torch.device("meta"):
+        model = build_gpt(small, on_gpu=False, perform_initialization=False)
+    assert parallel_state.model_parallel_is_initialized()
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.fixture(scope="module")
+def megatron_single_rank():
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29631", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    yield
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name", ["28", "55"])
+def test_seed_presets_show_json(name):
+    proc = run_cli("presets", "show", name, "--json")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    seed = SEED[name]
+    model = data["config"]["model"]
+    for key in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "kv_channels"):
+        assert model[key] == seed[key], key
+    assert data["config"]["train"]["micro_batch_size"] == seed["micro_batch_size"]
+    assert data["config"]["zero_cache"]["prefetch_cache_sub_group_rate"] == seed["rate"]
+    assert data["padded_vocab_size"] == 50304
+    assert round(data["params"] / 1e9, 1) == seed["billions"]
+
+
+@pytest.mark.parametrize("name", ["28", "55", "tiny", "125m", "1.3b", "h200-5b", "h200-16b"])
+def test_params_equal_built_model_extrapolated(name, megatron_single_rank):
+    cfg = resolve(name)
+    one, two = built_params(cfg, 1), built_params(cfg, 2)
+    per_layer = two - one
+    assert num_params(cfg) == one + (cfg.model.num_layers - 1) * per_layer
+
+
+def test_h200_presets_bracket_offload():
+    assert 4.5e9 < num_params(resolve("h200-5b")) < 6e9
+    assert 15e9 < num_params(resolve("h200-16b")) < 17.5e9
+    assert resolve("h200-16b").optim.optimizer == "zero_cache"
+
+
+def test_presets_list_names_every_preset():
+    proc = run_cli("presets", "list")
+    assert proc.returncode == 0
+    for name in ("tiny", "125m", "1.3b", "28", "55", "h200-5b", "h200-16b", "custom"):
+        assert any(line.split()[0] == name for line in proc.stdout.splitlines()[1:]), name
