@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
 from typing import List, Optional
 
 import typer
@@ -23,7 +24,11 @@ from angelgpt.config import ConfigError, preset_names, resolve, to_dict
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   rich_markup_mode=None, help="GPT pretraining on Megatron-core with ZeRO-Cache.")
 presets_app = typer.Typer(no_args_is_help=True, help="List and show size presets.")
+tokenizer_app = typer.Typer(no_args_is_help=True, help="Train a SentencePiece tokenizer.")
+data_app = typer.Typer(no_args_is_help=True, help="Turn raw text into Megatron indexed datasets.")
 app.add_typer(presets_app, name="presets")
+app.add_typer(tokenizer_app, name="tokenizer")
+app.add_typer(data_app, name="data")
 
 
 def fail(message: str) -> None:
@@ -60,6 +65,38 @@ def presets_show(name: str = typer.Argument(..., help="preset name"),
     else:
         print(yaml.safe_dump(summary["config"], sort_keys=False).rstrip())
         print(f"params: {summary['params']:,}")
+
+
+@tokenizer_app.command("train")
+def tokenizer_train(
+    inputs: List[str] = typer.Option(..., "--input", help="text files (.txt/.jsonl/.json/.parquet/.csv); repeatable"),
+    output: str = typer.Option(..., "--output", help="directory for tokenizer.model and tokenizer.json"),
+    vocab_size: int = typer.Option(32000, "--vocab-size"),
+    model_type: str = typer.Option("bpe", "--model-type", help="bpe or unigram"),
+    input_sentence_size: int = typer.Option(2_000_000, "--input-sentence-size", help="sample cap (lines)"),
+    text_key: str = typer.Option("text", "--text-key"),
+) -> None:
+    """SentencePiece with byte fallback, digit splitting and identity normalisation (exact round trip)."""
+    from angelgpt.data.tokenizer import train_tokenizer
+
+    settings = train_tokenizer(inputs, output, vocab_size, model_type, input_sentence_size, text_key)
+    print(f"wrote {output}/tokenizer.model ({settings['actual_vocab_size']} pieces, {model_type})")
+
+
+@data_app.command("prepare")
+def data_prepare(
+    input_spec: str = typer.Option(..., "--input", help="file, glob or dataset name"),
+    tokenizer: str = typer.Option(..., "--tokenizer", help="tokenizer directory or HuggingFace name"),
+    output: str = typer.Option(..., "--output", help="output prefix; writes PREFIX_text_document.bin/.idx"),
+    split: str = typer.Option("train", "--split"),
+    text_key: str = typer.Option("text", "--text-key"),
+    workers: int = typer.Option(1, "--workers", min=1),
+    append_eod: bool = typer.Option(False, "--append-eod", help="end every document with the eod token"),
+) -> None:
+    """Tokenize in parallel and write Megatron's indexed format."""
+    from angelgpt.data.prepare import prepare
+
+    print(prepare(input_spec, tokenizer, output, split, text_key, workers, append_eod).line())
 
 
 def _detect_gpu(device: Optional[str]) -> bool:
@@ -142,6 +179,7 @@ def train(
 
 def main(argv: Optional[List[str]] = None) -> None:
     """Entry point: one-line errors, exit 2 on bad input, never a traceback for it."""
+    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
     command = typer.main.get_command(app)
     try:
         command.main(args=argv, prog_name="angelgpt", standalone_mode=False)

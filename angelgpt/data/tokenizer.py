@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 from typing import List, Optional
 
@@ -96,5 +97,59 @@ def load_tokenizer(spec: Optional[str]):
                           f"tokenizer available offline") from None
 
 
-def write_settings(output: Path, settings: dict) -> None:
-    (output / SETTINGS_FILE).write_text(json.dumps(settings, indent=2) + "\n")
+def train_tokenizer(inputs: List[str], output: str, vocab_size: int = 32000, model_type: str = "bpe",
+                    input_sentence_size: int = 2_000_000, text_key: str = "text") -> dict:
+    """Trains a SentencePiece model that round-trips any text exactly (identity normalisation, byte
+    fallback, no dummy prefix, whitespace kept) and writes tokenizer.model and tokenizer.json."""
+    import sentencepiece as spm
+
+    from angelgpt.data.prepare import FORMATS, _load
+
+    if model_type not in ("bpe", "unigram"):
+        raise ConfigError(f"--model-type must be 'bpe' or 'unigram', got '{model_type}'")
+    if vocab_size < 260:
+        raise ConfigError(f"--vocab-size must be at least 260 (256 byte-fallback pieces + specials), got {vocab_size}")
+    out = Path(output)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--output {out} exists and is not a directory")
+    with tempfile.TemporaryDirectory(prefix="angelgpt-tok-") as scratch_dir:
+        scratch = Path(scratch_dir)
+        files = []
+        for spec in inputs:
+            if not Path(spec).is_file():
+                raise ConfigError(f"--input: no such file: {spec}")
+            if Path(spec).suffix.lower() not in FORMATS:
+                raise ConfigError(f"--input: unsupported file type '{Path(spec).suffix}'; use {', '.join(FORMATS)}")
+            ds, _ = _load(spec, "train", scratch)
+            if text_key not in ds.column_names:
+                raise ConfigError(f"--text-key: column '{text_key}' not in {spec}")
+            text_file = scratch / f"text{len(files)}.txt"
+            with open(text_file, "w", encoding="utf-8") as fh:
+                for row in ds[text_key]:
+                    if row:
+                        fh.write(row.replace("\r", "") + "\n")
+            files.append(str(text_file))
+        if not any(Path(f).stat().st_size for f in files):
+            raise ConfigError("--input holds no text")
+        settings = dict(
+            vocab_size=vocab_size, model_type=model_type, byte_fallback=True, split_digits=True,
+            normalization_rule_name="identity", add_dummy_prefix=False, remove_extra_whitespaces=False,
+            allow_whitespace_only_pieces=True, split_by_whitespace=True, input_sentence_size=input_sentence_size,
+            shuffle_input_sentence=True, num_threads=os.cpu_count() or 1, character_coverage=0.9995,
+            max_sentence_length=16384, unk_id=0, bos_id=1, eos_id=2, pad_id=-1, hard_vocab_limit=False,
+        )
+        out.mkdir(parents=True, exist_ok=True)
+        tmp_prefix = out / f".tokenizer.tmp{os.getpid()}"
+        try:
+            spm.SentencePieceTrainer.train(input=files, model_prefix=str(tmp_prefix), minloglevel=2, **settings)
+        except Exception as exc:
+            raise ConfigError(f"tokenizer training failed: {str(exc).splitlines()[0][:200]}") from None
+        finally:
+            vocab_file = Path(f"{tmp_prefix}.vocab")
+            if vocab_file.exists():
+                vocab_file.unlink()
+        os.replace(f"{tmp_prefix}.model", out / MODEL_FILE)
+    settings.update(inputs=[str(Path(p).resolve()) for p in inputs],
+                    actual_vocab_size=SentencePieceTokenizer(str(out / MODEL_FILE)).vocab_size)
+    (out / SETTINGS_FILE).write_text(json.dumps(settings, indent=2) + "\n")
+    return settings

@@ -1,0 +1,214 @@
+"""Raw text to Megatron's indexed format: `angelgpt data prepare`.
+
+    angelgpt data prepare --input corpus.txt --tokenizer runs/tok --output data/corpus --workers 2
+
+Local .jsonl/.json/.txt/.parquet/.csv files (or globs) or a hub dataset name go through the
+`datasets` library, are tokenized in parallel (`datasets.map`, batched, num_proc) and written with
+Megatron's IndexedDatasetBuilder to PREFIX_text_document.bin/.idx (uint16 tokens when the vocabulary
+fits, else int32). A .txt file holds one document per blank-line-separated paragraph. Bytes that are
+not UTF-8 are replaced (U+FFFD) and counted. Output is written under temporary names and renamed
+at the end, so a failure leaves no half-written pair behind.
+"""
+
+from __future__ import annotations
+
+import codecs
+import glob
+import itertools
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Optional, Tuple
+
+import numpy as np
+
+from angelgpt.config import ConfigError
+from angelgpt.data.tokenizer import load_tokenizer
+
+FORMATS = {".jsonl": "json", ".json": "json", ".txt": "text", ".parquet": "parquet", ".csv": "csv"}
+SUFFIX = "_text_document"
+
+
+@dataclass
+class PrepareSummary:
+    documents: int
+    tokens: int
+    bytes: int
+    seconds: float
+    replaced_bytes: int
+    prefix: str
+
+    def line(self) -> str:
+        return (f"wrote {self.prefix}.bin/.idx: {self.documents:,} documents, {self.tokens:,} tokens, "
+                f"{self.bytes:,} bytes in {self.seconds:.1f} s ({self.tokens / max(self.seconds, 1e-9):,.0f} tokens/s)"
+                + (f"; {self.replaced_bytes:,} non-UTF-8 bytes replaced" if self.replaced_bytes else ""))
+
+
+def _local_files(spec: str) -> Optional[List[str]]:
+    """The files a path or glob names; None when it looks like a dataset name instead."""
+    looks_local = any(c in spec for c in "*?[") or spec.startswith(("/", ".", "~")) or os.path.exists(spec) \
+        or Path(spec).suffix.lower() in FORMATS
+    if not looks_local:
+        return None
+    files = sorted(glob.glob(spec)) if any(c in spec for c in "*?[") else [spec]
+    files = [f for f in files if os.path.isfile(f)]
+    if not files:
+        raise ConfigError(f"--input: no such file: {spec}")
+    kinds = {Path(f).suffix.lower() for f in files}
+    unknown = kinds - set(FORMATS)
+    if unknown:
+        raise ConfigError(f"--input: unsupported file type {sorted(unknown)[0] or '(none)'}; "
+                          f"use {', '.join(FORMATS)}")
+    if len({FORMATS[k] for k in kinds}) > 1:
+        raise ConfigError("--input: files of one format at a time, got " + ", ".join(sorted(kinds)))
+    return files
+
+
+def _utf8_clean(files: List[str], scratch: Path) -> Tuple[List[str], int]:
+    """Files with invalid UTF-8 are copied with each bad byte replaced by U+FFFD; returns the count."""
+    replaced = 0
+    out = []
+
+    def counting(err: UnicodeDecodeError):
+        nonlocal replaced
+        replaced += err.end - err.start
+        return "\ufffd", err.end
+
+    codecs.register_error("angelgpt_count", counting)
+    for i, f in enumerate(files):
+        raw = Path(f).read_bytes()
+        try:
+            raw.decode("utf-8")
+            out.append(f)
+        except UnicodeDecodeError:
+            clean = scratch / f"clean{i}{Path(f).suffix}"
+            clean.write_text(raw.decode("utf-8", errors="angelgpt_count"), encoding="utf-8")
+            out.append(str(clean))
+    return out, replaced
+
+
+def _load(spec: str, split: str, scratch: Path):
+    import datasets
+
+    datasets.disable_progress_bars()
+    files = _local_files(spec)
+    if files is None:
+        try:
+            return datasets.load_dataset(spec, split=split), 0
+        except Exception as exc:
+            text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            offline = os.environ.get("HF_HUB_OFFLINE") == "1" or "connect" in text.lower() or "offline" in text.lower()
+            hint = "the HuggingFace hub is not reachable (offline); " if offline else ""
+            raise ConfigError(f"--input: cannot load dataset '{spec}': {hint}give a local .jsonl/.json/.txt/"
+                              f".parquet/.csv path instead ({text[:120]})") from None
+    kind = FORMATS[Path(files[0]).suffix.lower()]
+    if kind != "parquet":
+        files, replaced = _utf8_clean(files, scratch)
+    else:
+        replaced = 0
+    kwargs = {"sample_by": "paragraph"} if kind == "text" else {}
+    try:
+        ds = datasets.load_dataset(kind, data_files=files, split="train", cache_dir=str(scratch / "cache"), **kwargs)
+    except Exception as exc:
+        raise ConfigError(f"--input: cannot read {files[0]} as {kind}: {str(exc).splitlines()[0][:160]}") from None
+    return ds, replaced
+
+
+def prepare(input_spec: str, tokenizer_dir: str, output_prefix: str, split: str = "train", text_key: str = "text",
+            workers: int = 1, append_eod: bool = False, progress: bool = True) -> PrepareSummary:
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+
+    start = time.perf_counter()
+    tok = load_tokenizer(tokenizer_dir)
+    out_dir = Path(output_prefix).resolve().parent
+    if not out_dir.is_dir():
+        raise ConfigError(f"--output: directory {out_dir} does not exist")
+    prefix = str(Path(output_prefix).resolve()) + SUFFIX
+    with tempfile.TemporaryDirectory(prefix="angelgpt-prepare-") as scratch_dir:
+        scratch = Path(scratch_dir)
+        ds, replaced = _load(input_spec, split, scratch)
+        if text_key not in ds.column_names:
+            raise ConfigError(f"--text-key: column '{text_key}' not in the data (columns: {', '.join(ds.column_names)})")
+        ds = ds.select_columns([text_key])
+        ds = ds.filter(lambda batch: [bool(t and t.strip()) for t in batch[text_key]], batched=True, batch_size=2048)
+        if len(ds) == 0:
+            raise ConfigError(f"--input: {input_spec} holds no non-empty documents")
+        if progress:
+            import datasets
+
+            datasets.enable_progress_bars()
+        eod = tok.eod if append_eod else None
+        dtype = DType.optimal_dtype(tok.vocab_size)
+        shards = scratch / "shards"
+        shards.mkdir()
+        # Each map worker appends its documents' tokens to its own shard file, in order, and returns
+        # only the lengths; the shards are concatenated in rank order (datasets shards contiguously).
+        lengths_ds = ds.map(_encode_batch, batched=True, batch_size=1024, with_rank=True,
+                            num_proc=workers if workers > 1 else None, remove_columns=[text_key],
+                            load_from_cache_file=False, desc="tokenizing",
+                            fn_kwargs={"spec": tokenizer_dir, "text_key": text_key, "eod": eod,
+                                       "shard_dir": str(shards), "dtype": np.dtype(dtype).str})
+        lengths = lengths_ds.data.column("length").to_numpy().astype(np.int64)
+        tokens = int(lengths.sum())
+        keep = lengths > 0
+        documents = int(keep.sum())
+        if documents == 0:
+            raise ConfigError(f"--input: {input_spec} tokenizes to no tokens")
+        tmp_prefix = f"{prefix}.tmp{os.getpid()}"
+        try:
+            builder = IndexedDatasetBuilder(tmp_prefix + ".bin", dtype=dtype)
+            bar = _progress(tokens, progress)
+            for shard in sorted(shards.iterdir()):
+                with open(shard, "rb") as fh:
+                    while chunk := fh.read(64 << 20):
+                        builder.data_file.write(chunk)
+                        bar(len(chunk) // np.dtype(dtype).itemsize)
+            builder.sequence_lengths.extend(lengths[keep].tolist())
+            builder.document_indices.extend(range(1, documents + 1))
+            builder.finalize(tmp_prefix + ".idx")
+            os.replace(tmp_prefix + ".bin", prefix + ".bin")
+            os.replace(tmp_prefix + ".idx", prefix + ".idx")
+        finally:
+            for ext in (".bin", ".idx"):
+                if os.path.exists(tmp_prefix + ext):
+                    os.remove(tmp_prefix + ext)
+    size = os.path.getsize(prefix + ".bin") + os.path.getsize(prefix + ".idx")
+    return PrepareSummary(documents, tokens, size, time.perf_counter() - start, replaced, prefix)
+
+
+_ENCODERS = {}
+
+
+def _encode_batch(batch, rank: Optional[int], spec: str, text_key: str, eod: Optional[int], shard_dir: str,
+                  dtype: str):
+    """datasets.map worker: encode a batch and append its tokens to this worker's shard file."""
+    tok = _ENCODERS.get(spec)
+    if tok is None:
+        tok = _ENCODERS[spec] = load_tokenizer(spec)
+    ids = tok.tokenize_batch(batch[text_key])
+    if eod is not None:
+        for x in ids:
+            x.append(eod)
+    flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.dtype(dtype), count=sum(map(len, ids)))
+    with open(os.path.join(shard_dir, f"shard{rank or 0:05d}.bin"), "ab") as fh:
+        fh.write(flat.tobytes())
+    return {"length": [len(x) for x in ids]}
+
+
+def _progress(total_tokens: int, enabled: bool):
+    start = time.perf_counter()
+    done = [0]
+
+    def update(tokens: int) -> None:
+        done[0] += tokens
+        if enabled:
+            rate = done[0] / max(time.perf_counter() - start, 1e-9)
+            sys.stderr.write(f"\rwriting: {done[0]:,}/{total_tokens:,} tokens, {rate:,.0f} tokens/s")
+            if done[0] >= total_tokens:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+
+    return update

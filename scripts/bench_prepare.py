@@ -1,0 +1,82 @@
+"""Preprocessing benchmark: tokens/s of `angelgpt data prepare` on the shared corpus repeated to >= 50 MB.
+
+    python scripts/bench_prepare.py --workers 2 --vocab-size 8192
+
+Writes benchmarks/results/prepare-<workers>workers.json with the command, commit, machine and figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def main() -> int:
+    from scripts.bench_train import commit
+
+    from angelgpt.data.prepare import prepare
+    from angelgpt.data.tokenizer import train_tokenizer
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--corpus", default=str(ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"))
+    ap.add_argument("--min-mb", type=float, default=50.0)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--vocab-size", type=int, default=8192)
+    ap.add_argument("--goal-tokens-per-s-per-core", type=float, default=1.0e6)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = ap.parse_args()
+
+    text = Path(args.corpus).read_text()
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        train_tokenizer([args.corpus], str(tmp / "tok"), vocab_size=args.vocab_size)
+        repeats = int(args.min_mb * 1e6 // len(text.encode())) + 1
+        big = tmp / "corpus.txt"
+        with open(big, "w") as fh:
+            for _ in range(repeats):
+                fh.write(text)
+                fh.write("\n\n")
+        size = big.stat().st_size
+        t0 = time.perf_counter()
+        import datasets  # noqa: F401  (imports are start-up, timed apart from processing)
+        from megatron.core.datasets import indexed_dataset  # noqa: F401
+        import_seconds = time.perf_counter() - t0
+        start = time.perf_counter()
+        summary = prepare(str(big), str(tmp / "tok"), str(tmp / "out"), workers=args.workers, progress=False)
+        seconds = time.perf_counter() - start
+    rate = summary.tokens / seconds
+    result = {
+        "name": f"prepare-{args.workers}workers",
+        "command": "python scripts/bench_prepare.py " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+        "commit": commit(),
+        "machine": {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version()},
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "corpus_bytes": size,
+        "documents": summary.documents,
+        "tokens": summary.tokens,
+        "seconds": round(seconds, 2),
+        "import_seconds_not_counted": round(import_seconds, 2),
+        "tokens_per_s": round(rate),
+        "tokens_per_s_per_core": round(rate / args.workers),
+        "goal_tokens_per_s_per_core": args.goal_tokens_per_s_per_core,
+        "goal_met": rate / args.workers >= args.goal_tokens_per_s_per_core,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{result['name']}.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

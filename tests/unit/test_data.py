@@ -1,0 +1,119 @@
+"""Tokenizer training and `data prepare` on the shared corpus, read back through Megatron's IndexedDataset."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from tests.conftest import run_cli
+from tests.unit.test_cli_errors import check_one_line_error
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory, request):
+    corpus = request.getfixturevalue("corpus")
+    out = tmp_path_factory.mktemp("tok")
+    from angelgpt.data.tokenizer import train_tokenizer
+
+    train_tokenizer([str(corpus)], str(out), vocab_size=1024)
+    return out
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    from tests.conftest import CORPUS
+
+    if not CORPUS.is_file():
+        pytest.skip(f"{CORPUS} not present")
+    return CORPUS
+
+
+def documents(corpus):
+    return [d for d in corpus.read_text().split("\n\n") if d.strip()]
+
+
+def test_tokenizer_round_trips_corpus_exactly(tokenizer, corpus):
+    from angelgpt.data.tokenizer import load_tokenizer
+
+    settings = json.loads((tokenizer / "tokenizer.json").read_text())
+    assert settings["byte_fallback"] and settings["split_digits"] and settings["normalization_rule_name"] == "identity"
+    tok = load_tokenizer(str(tokenizer))
+    text = corpus.read_text()
+    ids = tok.tokenize(text)
+    assert tok.detokenize(ids) == text
+    odd = "tabs\tand  spaces\n\n12345 ünïcödé 🙂 \r"
+    assert tok.detokenize(tok.tokenize(odd)) == odd  # byte fallback for unseen characters
+
+
+def test_prepare_txt_jsonl_parquet_agree_and_read_back(tokenizer, corpus, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from angelgpt.data.prepare import prepare
+    from angelgpt.data.tokenizer import load_tokenizer
+
+    docs = documents(corpus)
+    jsonl = tmp_path / "c.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    parquet = tmp_path / "c.parquet"
+    pq.write_table(pa.table({"text": docs}), parquet)
+    counts = {}
+    for name, path in (("txt", corpus), ("jsonl", jsonl), ("parquet", parquet)):
+        summary = prepare(str(path), str(tokenizer), str(tmp_path / name), workers=2, append_eod=True, progress=False)
+        counts[name] = (summary.documents, summary.tokens)
+    assert counts["txt"] == counts["jsonl"] == counts["parquet"]
+
+    tok = load_tokenizer(str(tokenizer))
+    ds = IndexedDataset(str(tmp_path / "jsonl") + "_text_document")
+    assert len(ds) == len(docs)
+    assert ds.index.dtype == np.uint16  # smallest dtype that holds a 1024 vocabulary
+    for i in (0, 1, len(docs) // 2, len(docs) - 1):
+        assert ds[i].tolist() == tok.tokenize(docs[i]) + [tok.eod]
+    total = sum(len(tok.tokenize(d)) + 1 for d in docs)
+    assert counts["txt"] == (len(docs), total)
+
+
+def test_non_utf8_bytes_are_replaced_and_counted(tokenizer, tmp_path):
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"good text\n\nbad \xff\xfe bytes\n")
+    proc = run_cli("data", "prepare", "--input", bad, "--tokenizer", tokenizer, "--output", tmp_path / "out")
+    assert proc.returncode == 0, proc.stderr
+    assert "2 non-UTF-8 bytes replaced" in proc.stdout
+    assert (tmp_path / "out_text_document.bin").is_file() and (tmp_path / "out_text_document.idx").is_file()
+
+
+def bad_prepare_cases(tokenizer, tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n\n")
+    nokey = tmp_path / "nokey.jsonl"
+    nokey.write_text('{"body": "hello"}\n')
+    ok = tmp_path / "ok.txt"
+    ok.write_text("hello world\n")
+    return {
+        "missing file": (["--input", tmp_path / "nope.txt", "--tokenizer", tokenizer], "no such file"),
+        "empty corpus": (["--input", empty, "--tokenizer", tokenizer], "holds no non-empty documents"),
+        "missing text key": (["--input", nokey, "--tokenizer", tokenizer], "column 'text' not in the data"),
+        "tokenizer missing": (["--input", ok, "--tokenizer", tmp_path / "no-tok"], "tokenizer not found"),
+        "offline dataset name": (["--input", "some-org/some-corpus", "--tokenizer", tokenizer],
+                                 "give a local .jsonl/.json/.txt/.parquet/.csv path"),
+    }
+
+
+@pytest.mark.parametrize("case", ["missing file", "empty corpus", "missing text key", "tokenizer missing",
+                                  "offline dataset name"])
+def test_prepare_bad_input(case, tokenizer, tmp_path):
+    args, needle = bad_prepare_cases(tokenizer, tmp_path)[case]
+    out = tmp_path / "out"
+    proc = run_cli("data", "prepare", *args, "--output", out, env={"HF_HUB_OFFLINE": "1"})
+    check_one_line_error(proc, needle)
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("out")]  # nothing half-written
+
+
+def test_tokenizer_train_bad_input(tmp_path):
+    check_one_line_error(run_cli("tokenizer", "train", "--input", tmp_path / "nope.txt", "--output", tmp_path / "t"),
+                         "no such file")
+    (tmp_path / "a.txt").write_text("abc\n")
+    check_one_line_error(run_cli("tokenizer", "train", "--input", tmp_path / "a.txt", "--output", tmp_path / "t",
+                                 "--model-type", "wordpiece"), "--model-type must be 'bpe' or 'unigram'")
