@@ -171,9 +171,11 @@ def train(
     if dry_run:
         return
     rc = launch.run(cmd, launch.worker_env(on_gpu, nproc_per_node))
+    if rc == 2:
+        raise SystemExit(2)
     if rc != 0:
         print(f"angelgpt: error: training workers exited with code {rc}", file=sys.stderr, flush=True)
-        raise SystemExit(2 if rc == 2 else 1)
+        raise SystemExit(1)
 
 
 

@@ -48,5 +48,22 @@ def format_command(cmd: List[str]) -> str:
     return " ".join(shlex.quote(c) for c in cmd)
 
 
+ERROR_PREFIX = "angelgpt: error: "
+
+
 def run(cmd: List[str], env: dict) -> int:
-    return subprocess.call(cmd, env=env)
+    """Runs torchrun, passing its stderr through. A worker that refuses its input prints one
+    `angelgpt: error:` line and exits 2; torchrun's own failure report after it is dropped and 2
+    is returned, so a refusal reads as one line whichever process found it."""
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, errors="replace")
+    refused = False
+    for line in proc.stderr:
+        if refused:
+            continue
+        if line.startswith(ERROR_PREFIX) or "]:" + ERROR_PREFIX in line:
+            refused = True
+            line = line[line.index(ERROR_PREFIX):]
+        sys.stderr.write(line)
+        sys.stderr.flush()
+    rc = proc.wait()
+    return 2 if refused and rc != 0 else rc

@@ -165,6 +165,8 @@ class ZeroCacheConfig:
     """Print per-iteration time in all-gather, reduce-scatter, H2D, D2H, NVMe I/O and optimizer."""
     save_large_model_multi_slice: bool = True
     """Stream sharded checkpoint saves slice by slice instead of materialising the model on host."""
+    host_max_gib: Optional[float] = None
+    """Most GiB of host memory the store may take per rank; None means most of MemAvailable."""
     nvme_path: Optional[str] = None
     """Directory for the NVMe tier; None turns the tier off."""
     nvme_max_gib: Optional[float] = None
@@ -184,6 +186,8 @@ class ZeroCacheConfig:
                   max_live_parameters=self.max_live_parameters)
         _require(self.max_param_reduce_events >= 0,
                  f"zero_cache.max_param_reduce_events must be >= 0, got {self.max_param_reduce_events}")
+        _require(self.host_max_gib is None or self.host_max_gib >= 0,
+                 f"zero_cache.host_max_gib must be >= 0, got {self.host_max_gib}")
         _require(self.nvme_max_gib is None or self.nvme_max_gib > 0,
                  f"zero_cache.nvme_max_gib must be > 0, got {self.nvme_max_gib}")
 
@@ -348,8 +352,6 @@ class Config:
 
     def check_device(self, on_gpu: bool) -> None:
         """Refuses what this build cannot run on the chosen device."""
-        _require(self.optim.optimizer != "zero_cache",
-                 "optim.optimizer 'zero_cache' is not available in this build yet; use 'megatron'")
         if not on_gpu:
             _require(self.parallel.pipeline_model_parallel_size == 1,
                      "parallel.pipeline_model_parallel_size > 1 needs CUDA (Megatron's pipeline schedules "

@@ -86,7 +86,7 @@ class Trainer:
         )
 
     def _zero_grad(self) -> None:
-        if self.on_gpu:
+        if hasattr(self.model, "zero_grad_buffer"):  # Megatron DDP
             self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
 
@@ -160,4 +160,6 @@ class Trainer:
                 self.save()
                 window_start, window_iters = time.perf_counter(), 0
         self.writer.close()
+        if hasattr(self.optimizer, "close"):
+            self.optimizer.close()
         return loss

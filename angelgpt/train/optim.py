@@ -9,7 +9,6 @@ counted once) clipped, then AdamW on fp32 weights. A non-finite norm skips the s
 from __future__ import annotations
 
 import math
-from itertools import chain
 from typing import List, Optional, Tuple
 
 import torch
@@ -90,8 +89,8 @@ class CPUDataParallelAdamW:
         if not math.isfinite(norm):
             self.zero_grad()
             return False, norm, None
-        if self.clip_grad > 0 and norm > self.clip_grad:
-            scale = self.clip_grad / (norm + 1.0e-6)
+        scale = min(1.0, self.clip_grad / (norm + 1.0e-6)) if self.clip_grad > 0 else 1.0
+        if scale < 1.0:
             for p in self.params:
                 if p.grad is not None:
                     p.grad.mul_(scale)

@@ -1,0 +1,156 @@
+"""The three tiers of the ZeRO-Cache store: the compute device, (pinned) host memory, NVMe files.
+
+A tier hands out flat fp32 chunk buffers and says how many bytes it holds. The device tier is the
+compute device, whatever it is (CUDA, or CPU standing in for it); the host tier pins its buffers
+when CUDA is present; the NVMe tier keeps each chunk in its own file and is read into (and written
+back from) two reusable host staging buffers.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from angelgpt.config import ConfigError
+
+GIB = 1024 ** 3
+STATES = 3  # fp32 master weights, exp_avg, exp_avg_sq
+
+
+def mem_available_bytes() -> int:
+    """MemAvailable, capped by a cgroup memory limit when one is set."""
+    available = None
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            limit = open(limit_file).read().strip()
+            if limit.isdigit() and int(limit) < (1 << 60):
+                left = int(limit) - int(open(usage_file).read().strip())
+                available = left if available is None else min(available, left)
+        except OSError:
+            continue
+    return available if available is not None else 0
+
+
+class DeviceTier:
+    name = "device"
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.bytes = 0
+
+    def allocate(self, numel: int) -> torch.Tensor:
+        self.bytes += numel * 4
+        return torch.zeros(numel, dtype=torch.float32, device=self.device)
+
+
+class HostTier:
+    name = "host"
+
+    def __init__(self, pin: bool):
+        self.pin = pin
+        self.bytes = 0
+
+    def allocate(self, numel: int) -> torch.Tensor:
+        self.bytes += numel * 4
+        return torch.zeros(numel, dtype=torch.float32, pin_memory=self.pin)
+
+
+class NVMeTier:
+    """Chunk files under ``path/angelgpt-<id>/``; removed by ``close()``."""
+
+    name = "nvme"
+
+    def __init__(self, path: str, pin: bool):
+        root = Path(path)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            probe = root / f".angelgpt-probe-{uuid.uuid4().hex}"
+            probe.write_bytes(b"0")
+            probe.unlink()
+        except OSError as exc:
+            raise ConfigError(f"zero_cache.nvme_path {path} is not writable: {exc.strerror or exc}") from None
+        self.dir = root / f"angelgpt-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.dir.mkdir()
+        self.pin = pin
+        self.bytes = 0
+        self._staging = []  # two reusable host buffers (double buffering)
+
+    @staticmethod
+    def free_bytes(path: str) -> int:
+        probe = Path(path)
+        while not probe.exists() and probe != probe.parent:
+            probe = probe.parent
+        return shutil.disk_usage(probe).free
+
+    def create(self, key: str, numel: int) -> Path:
+        file = self.dir / f"{key}.bin"
+        with open(file, "wb") as fh:
+            fh.truncate(numel * 4)
+        self.bytes += numel * 4
+        return file
+
+    def staging(self, slot: int, numel: int) -> torch.Tensor:
+        while len(self._staging) <= slot:
+            self._staging.append(torch.empty(0, dtype=torch.float32))
+        if self._staging[slot].numel() < numel:
+            self._staging[slot] = torch.empty(numel, dtype=torch.float32, pin_memory=self.pin)
+        return self._staging[slot][:numel]
+
+    @staticmethod
+    def read(file: Path, out: torch.Tensor) -> torch.Tensor:
+        with open(file, "rb", buffering=0) as fh:
+            view = memoryview(out.numpy()).cast("B")
+            got = fh.readinto(view)
+        if got != out.numel() * 4:
+            raise IOError(f"short read from {file}: {got} of {out.numel() * 4} bytes")
+        return out
+
+    @staticmethod
+    def write(file: Path, data: torch.Tensor) -> None:
+        with open(file, "r+b", buffering=0) as fh:
+            fh.write(memoryview(data.contiguous().numpy()).cast("B"))
+
+    def close(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+        self._staging = []
+
+
+def check_capacity(needed: dict, available: dict) -> None:
+    """Refuses, before any large allocation, a placement that does not fit; the message gives numbers."""
+    short = [t for t in needed if needed[t] > available.get(t, 0)]
+    if short:
+        parts = ", ".join(f"{t} needs {needed[t]:,} B ({needed[t] / GIB:.2f} GiB), has "
+                          f"{available.get(t, 0):,} B ({available.get(t, 0) / GIB:.2f} GiB)" for t in needed)
+        raise ConfigError(f"zero_cache: model states do not fit ({parts}); lower prefetch_cache_sub_group_rate, "
+                          f"raise zero_cache.host_max_gib / nvme_max_gib, or set zero_cache.nvme_path")
+
+
+def available_bytes(device: torch.device, host_max_gib: Optional[float], nvme_path: Optional[str],
+                    nvme_max_gib: Optional[float]) -> dict:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        dev = int(free * 0.8)  # leave room for activations and the working set
+    else:
+        dev = mem_available_bytes() // 2
+    host = int(host_max_gib * GIB) if host_max_gib is not None else int(mem_available_bytes() * 0.8)
+    if device.type != "cuda" and host_max_gib is None:
+        host = dev  # CPU stands in for both: split what is there
+    nvme = 0
+    if nvme_path:
+        nvme = NVMeTier.free_bytes(nvme_path)
+        if nvme_max_gib is not None:
+            nvme = min(nvme, int(nvme_max_gib * GIB))
+    return {"device": dev, "host": host, "nvme": nvme}

@@ -1,0 +1,114 @@
+"""ZeRO-Cache on CPU under gloo with real torchrun processes: AdamW equality over every tier mix,
+training trajectory against optimizer megatron, checkpoint resume into another placement, refusals."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, run_cli, train_tiny
+from tests.unit.test_cli_errors import check_one_line_error
+
+pytestmark = pytest.mark.distributed
+CHECK = Path(__file__).with_name("zero_cache_adamw_check.py")
+
+
+def adamw_check(tmp_path, nproc, *overrides):
+    out = tmp_path / "result.json"
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           str(nproc), str(CHECK), str(out), *map(str, overrides)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+@pytest.mark.parametrize("rate", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("nvme", [False, True], ids=["no-nvme", "nvme"])
+def test_update_equals_torch_adamw(tmp_path, dp, rate, nvme):
+    overrides = [f"zero_cache.prefetch_cache_sub_group_rate={rate}"]
+    if nvme:  # host memory too small for all states: what is not on the device spills to NVMe
+        host_gib = 0.0006 if rate == 0.0 else 0.0004  # room for the owned gradients, not for every state
+        overrides += [f"zero_cache.nvme_path={tmp_path / 'nvme'}", f"zero_cache.host_max_gib={host_gib}"]
+    ranks = adamw_check(tmp_path, dp, *overrides)
+    assert len(ranks) == dp
+    for r in ranks:
+        assert r["first_update_max_rel_err"] < 1e-6, r
+        assert r["three_updates_rel_err"] < 1e-6, r
+        expected = {"device"} if rate == 1.0 else ({"host"} if rate == 0.0 else {"device", "host"})
+        if nvme and rate < 1.0:
+            assert "nvme" in r["tiers"], r["tiers"]
+            assert r["nvme_files"], "NVMe chunks were written to files"
+            assert not Path(r["nvme_dir"]).exists(), "NVMe files are removed at close"
+        else:
+            assert set(r["tiers"]) == expected, r["tiers"]
+        assert r["allocated"]["device"] + r["allocated"]["host"] + r["allocated"].get("nvme", 0) == \
+            16 * r["owned_numel"]  # fp32 master + 2 moments + owned fp32 gradient
+        for tier, planned in r["planned"].items():
+            assert r["allocated"][tier] == planned, (tier, r)
+    assert sum(r["owned_numel"] for r in ranks) == ranks[0]["total_numel"]  # each state owned once over DP
+
+
+@pytest.mark.parametrize("layout", [("dp2", 2, []), ("tp2", 2, ["parallel.tensor_model_parallel_size=2"])],
+                         ids=lambda x: x[0])
+def test_trajectory_follows_megatron_optimizer(tmp_path, layout):
+    name, nproc, extra = layout
+    ref = train_tiny(tmp_path, "megatron", "train.train_iters=20", *extra, nproc=nproc)
+    zc = train_tiny(tmp_path, "zc", "train.train_iters=20", "optim.optimizer=zero_cache",
+                    "zero_cache.prefetch_cache_sub_group_rate=0.5", *extra, nproc=nproc)
+    for a, b in zip(ref, zc):
+        assert math.isclose(a["lm_loss"], b["lm_loss"], rel_tol=1e-5), (a["iteration"], a["lm_loss"], b["lm_loss"])
+        assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-4)
+    assert len(zc) == 20
+
+
+def _flat_checkpoint(path):
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = path.parent / (path.name + ".pt")
+    dcp_to_torch_save(str(path), str(out))
+    return torch.load(out, weights_only=False)
+
+
+def test_checkpoint_rate_0_resumes_with_rate_05(tmp_path):
+    zc = ["optim.optimizer=zero_cache", "train.train_iters=20"]
+    full = train_tiny(tmp_path, "full", *zc, "zero_cache.prefetch_cache_sub_group_rate=0.0",
+                      f"checkpoint.save={tmp_path / 'full'}", nproc=2)
+    ck = tmp_path / "ck"
+    train_tiny(tmp_path, "first", *zc, "zero_cache.prefetch_cache_sub_group_rate=0.0", "train.exit_interval=10",
+               f"checkpoint.save={ck}", nproc=2)
+    resumed = train_tiny(tmp_path, "resumed", *zc, "zero_cache.prefetch_cache_sub_group_rate=0.5",
+                         f"checkpoint.load={ck}", f"checkpoint.save={tmp_path / 'resumed'}", nproc=2)
+    assert resumed[0]["iteration"] == 11
+    by_iter = {r["iteration"]: r["lm_loss"] for r in full}
+    for r in resumed:
+        assert math.isclose(r["lm_loss"], by_iter[r["iteration"]], rel_tol=1e-6), r["iteration"]
+    a = _flat_checkpoint(tmp_path / "full" / "iter_0000020")
+    b = _flat_checkpoint(tmp_path / "resumed" / "iter_0000020")
+    import torch
+
+    tensors = [k for k, v in a.items() if isinstance(v, torch.Tensor)]
+    assert any(k.startswith("optimizer.zero_cache.exp_avg_sq") for k in tensors)
+    for k in tensors:
+        assert torch.allclose(a[k], b[k], rtol=1e-6, atol=1e-8), k
+
+
+def test_placement_that_cannot_hold_the_model_is_refused():
+    proc = run_cli("train", "--size", "tiny", "--device", "cpu", "optim.optimizer=zero_cache",
+                   "zero_cache.host_max_gib=0.0001")
+    check_one_line_error(proc, "model states do not fit", in_worker=True)
+    assert "host needs" in proc.stderr and "has 107,374 B" in proc.stderr
+
+
+def test_unwritable_nvme_path_is_refused(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    proc = run_cli("train", "--size", "tiny", "--device", "cpu", "optim.optimizer=zero_cache",
+                   f"zero_cache.nvme_path={blocker / 'sub'}")
+    check_one_line_error(proc, "is not writable", in_worker=True)
