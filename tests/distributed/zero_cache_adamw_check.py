@@ -9,6 +9,7 @@ per-parameter relative error after one update, the whole-model relative error af
 """
 
 import json
+import os
 import sys
 import warnings
 
@@ -30,13 +31,15 @@ def main():
 
     cfg = resolve("tiny", overrides=["optim.optimizer=zero_cache", "optim.clip_grad=0.5", "optim.weight_decay=0.1",
                                      *overrides])
-    parallel.initialize(1, 1, on_gpu=False)
+    on_gpu = os.environ.get("ANGELGPT_CHECK_DEVICE") == "cuda"  # fp32 model on CUDA: device tier on the GPU
+    parallel.initialize(1, 1, on_gpu=on_gpu)
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     torch.manual_seed(0)
-    model = build_gpt(cfg, on_gpu=False)
+    model = build_gpt(cfg, on_gpu=False).to(device)
     torch.manual_seed(0)
-    ref = build_gpt(cfg, on_gpu=False)  # the same weights: CPU init draws them from the seed
+    ref = build_gpt(cfg, on_gpu=False).to(device)  # the same weights: CPU init draws them from the seed
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
-    opt = ZeroCacheOptimizer(model, cfg, torch.device("cpu"))
+    opt = ZeroCacheOptimizer(model, cfg, device)
     o = cfg.optim
     ref_opt = torch.optim.AdamW(param_groups(ref, o.weight_decay), lr=o.lr, betas=(o.adam_beta1, o.adam_beta2),
                                 eps=o.adam_eps, weight_decay=o.weight_decay)
@@ -48,8 +51,8 @@ def main():
         for g in opt.param_groups + ref_opt.param_groups:
             g["lr"] = lr
         gen = torch.Generator().manual_seed(100 + 10 * step + rank)
-        tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_length), generator=gen)
-        pos = torch.arange(cfg.model.seq_length).expand(2, -1)
+        tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_length), generator=gen).to(device)
+        pos = torch.arange(cfg.model.seq_length, device=device).expand(2, -1)
         for m in (model, ref):
             m(tokens, pos, None, labels=tokens).mean().backward()
         for p in ref.parameters():  # reference: the DP-averaged gradient on an unsharded copy
