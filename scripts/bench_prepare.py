@@ -28,7 +28,7 @@ def main() -> int:
     from angelgpt.data.tokenizer import train_tokenizer
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--corpus", default=str(ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"))
+    ap.add_argument("--corpus", default=str(ROOT / "tests" / "data" / "tinyshakespeare.txt"))
     ap.add_argument("--min-mb", type=float, default=50.0)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--vocab-size", type=int, default=8192)

@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-CORPUS = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
+# the shared corpus beside the checkout when present, else the public-domain copy kept with the tests
+_SHARED = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
+CORPUS = _SHARED if _SHARED.is_file() else ROOT / "tests" / "data" / "tinyshakespeare.txt"
 
 
 def run_cli(*args, timeout=600, env=None):
