@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -55,7 +56,10 @@ def run(cmd: List[str], env: dict) -> int:
     """Runs torchrun, passing its stderr through. A worker that refuses its input prints one
     `angelgpt: error:` line and exits 2; torchrun's own failure report after it is dropped and 2
     is returned, so a refusal reads as one line whichever process found it."""
-    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, errors="replace")
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, errors="replace",
+                            start_new_session=True)  # a terminal's Ctrl-C reaches the workers once, from here
+    previous = {sig: signal.signal(sig, lambda signum, frame: _forward(proc.pid, signum))
+                for sig in (signal.SIGTERM, signal.SIGINT)}
     refused = False
     for line in proc.stderr:
         if refused:
@@ -66,4 +70,23 @@ def run(cmd: List[str], env: dict) -> int:
         sys.stderr.write(line)
         sys.stderr.flush()
     rc = proc.wait()
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
     return 2 if refused and rc != 0 else rc
+
+
+def _forward(torchrun_pid: int, signum: int) -> None:
+    """Passes a signal to the workers (not to torchrun, which would signal them a second time):
+    the first makes them save at the next iteration boundary and exit 0, a second stops them at once."""
+    import psutil
+
+    try:
+        workers = psutil.Process(torchrun_pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return
+    for w in workers:
+        try:
+            if "angelgpt.train.worker" in " ".join(w.cmdline()):
+                w.send_signal(signum)
+        except psutil.NoSuchProcess:
+            pass

@@ -119,6 +119,11 @@ def _coerce(key: str, value: Any, tp) -> Any:
         if isinstance(value, float) and value.is_integer():
             return int(value)
     elif tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads 1e-4 (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
             return float(value)
     elif tp is str:

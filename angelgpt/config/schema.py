@@ -240,10 +240,13 @@ class CheckpointConfig:
     """Directory to resume from (its latest checkpoint); None starts fresh."""
     save_interval: Optional[int] = None
     """Save every N iterations (and always at the end when save is set)."""
+    keep: Optional[int] = None
+    """Keep only the newest N checkpoints under save; None keeps all."""
 
     def __post_init__(self):
         _require(self.save_interval is None or self.save_interval > 0,
                  f"checkpoint.save_interval must be > 0, got {self.save_interval}")
+        _require(self.keep is None or self.keep > 0, f"checkpoint.keep must be > 0, got {self.keep}")
 
 
 @dataclass
@@ -271,6 +274,8 @@ class TrainConfig:
     """Stop (saving first when checkpoint.save is set) once the iteration is a multiple of this."""
     eval_interval: Optional[int] = None
     """Compute validation loss every N iterations; None never."""
+    max_consecutive_skips: int = 10
+    """Abort (saving the last good state first) after this many skipped iterations in a row."""
     eval_iters: int = 2
     """Global batches per validation."""
     seed: int = 1234
@@ -283,6 +288,7 @@ class TrainConfig:
                   train_iters=self.train_iters, eval_iters=self.eval_iters)
         _require(self.exit_interval is None or self.exit_interval > 0,
                  f"train.exit_interval must be > 0, got {self.exit_interval}")
+        _positive("train", max_consecutive_skips=self.max_consecutive_skips)
         _require(self.eval_interval is None or self.eval_interval > 0,
                  f"train.eval_interval must be > 0, got {self.eval_interval}")
         _require(self.device in ("auto", "cpu", "cuda"),

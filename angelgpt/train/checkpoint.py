@@ -7,9 +7,11 @@ has written, then the tracker file is replaced, so a crash mid-save leaves the p
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
+import zlib
 from pathlib import Path
 from typing import Optional, Tuple
 
@@ -93,7 +95,60 @@ def _state(model, optimizer, scheduler, iteration: int, consumed: int, loading: 
     }
 
 
-def save(root: str, iteration: int, consumed: int, model, optimizer, scheduler) -> Path:
+MANIFEST = "manifest.json"
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as fh:
+        while block := fh.read(16 << 20):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+def _write_manifest(tmp: Path, iteration: int, config: dict) -> None:
+    files = {}
+    for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
+        _fsync(f)
+        files[str(f.relative_to(tmp))] = {"size": f.stat().st_size, "crc32": _crc32(f)}
+    manifest = tmp / MANIFEST
+    manifest.write_text(json.dumps({"iteration": iteration, "files": files, "config": config}, indent=1))
+    _fsync(manifest)
+    _fsync(tmp)
+
+
+def verify(path: Path) -> Optional[str]:
+    """None when every file the manifest lists is there with its size and checksum, else what is wrong."""
+    manifest = path / MANIFEST
+    if not manifest.is_file():
+        return f"checkpoint {path} is incomplete: it has no {MANIFEST}"
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except (ValueError, KeyError):
+        return f"checkpoint {path} is corrupted: {MANIFEST} does not parse"
+    for name, meta in files.items():
+        f = path / name
+        if not f.is_file():
+            return f"checkpoint {path} is incomplete: {name} is missing"
+        if f.stat().st_size != meta["size"]:
+            return f"checkpoint {path} is corrupted: {name} has {f.stat().st_size} bytes, the manifest says {meta['size']}"
+        if _crc32(f) != meta["crc32"]:
+            return f"checkpoint {path} is corrupted: {name} fails its checksum"
+    return None
+
+
+def save(root: str, iteration: int, consumed: int, model, optimizer, scheduler, config: dict,
+         keep: Optional[int] = None) -> Path:
+    """Writes iter_N.tmp, fsyncs it, writes its manifest, renames it into place, then moves the tracker;
+    a process killed at any point leaves the previous checkpoint and tracker intact."""
     root_path = Path(root)
     final = _iter_dir(root_path, iteration)
     tmp = final.with_name(final.name + ".tmp")
@@ -105,13 +160,19 @@ def save(root: str, iteration: int, consumed: int, model, optimizer, scheduler) 
                             sharded_strategy=_save_strategy())
     dist.barrier()
     if dist.get_rank() == 0:
+        _write_manifest(tmp, iteration, config)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
+        _fsync(root_path)
         tracker_tmp = root_path / (TRACKER + ".tmp")
         tracker_tmp.write_text(f"{iteration}\n")
-        with open(tracker_tmp) as fh:
-            os.fsync(fh.fileno())
+        _fsync(tracker_tmp)
         os.replace(tracker_tmp, root_path / TRACKER)
+        _fsync(root_path)
+        if keep:
+            done = sorted(p for p in root_path.glob("iter_???????") if p.is_dir())
+            for old in done[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final
 
@@ -134,6 +195,10 @@ def load(root: str, model, optimizer, scheduler) -> Tuple[int, int]:
     path = _iter_dir(Path(root), iteration)
     if not path.is_dir():
         raise ConfigError(f"checkpoint.load: {TRACKER} names iteration {iteration} but {path} is missing")
+    problem = [verify(path) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(problem, src=0)
+    if problem[0]:
+        raise ConfigError(f"checkpoint.load: {problem[0]}")
     state = dist_checkpointing.load(_state(model, optimizer, scheduler, 0, 0, loading=True), str(path))
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])

@@ -14,8 +14,43 @@ from megatron.core import parallel_state
 from angelgpt.config import Config
 from angelgpt.data.dataset import micro_batches
 from angelgpt.model.flops import flops_per_iteration
+from angelgpt.parallel import print_rank_0
 from angelgpt.train import checkpoint
 from angelgpt.train.metrics import MetricsWriter, gpu_memory_gib, host_memory_gib
+
+
+class TrainingAborted(RuntimeError):
+    """Training cannot go on (for example, too many skipped iterations in a row)."""
+
+
+_SIGNALLED = {"count": 0}
+
+
+def install_signal_handlers() -> None:
+    """First SIGTERM/SIGINT: stop at the next iteration boundary (saving first); second: exit at once."""
+    import os
+    import signal
+
+    def handler(signum, frame):
+        _SIGNALLED["count"] += 1
+        if _SIGNALLED["count"] > 1:
+            os._exit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handler)
+
+
+def all_ranks(value: bool, device) -> bool:
+    flag = torch.tensor([1.0 if value else 0.0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def stop_requested(device) -> bool:
+    """True on every rank once any rank has been signalled."""
+    flag = torch.tensor([1.0 if _SIGNALLED["count"] else 0.0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
@@ -73,7 +108,8 @@ class Trainer:
             self.forward_backward = forward_backward_cpu
         owns_log = (parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
                     and parallel_state.get_data_parallel_rank() == 0)
-        self.writer = MetricsWriter(owns_log, cfg.logging.metrics_file, cfg.logging.tensorboard_dir)
+        self.owns_log = owns_log
+        self.writer = None
         self.iteration = 0
         self.consumed = 0
         self.skipped = 0
@@ -100,39 +136,57 @@ class Trainer:
         return sum(losses) / len(losses)
 
     def maybe_resume(self) -> None:
-        if self.cfg.checkpoint.load:
-            self.iteration, self.consumed = checkpoint.load(self.cfg.checkpoint.load, self.model,
-                                                            self.optimizer, self.scheduler)
+        """Resumes from checkpoint.load, else from checkpoint.save when it holds one (a restarted run)."""
+        ck = self.cfg.checkpoint
+        root = ck.load or (ck.save if ck.save and checkpoint.latest_iteration(ck.save) is not None else None)
+        if root:
+            self.iteration, self.consumed = checkpoint.load(root, self.model, self.optimizer, self.scheduler)
+            print_rank_0(f"resumed from {root} at iteration {self.iteration}")
 
     def save(self) -> None:
+        from angelgpt.config import to_dict
+
         checkpoint.save(self.cfg.checkpoint.save, self.iteration, self.consumed, self.model,
-                        self.optimizer, self.scheduler)
+                        self.optimizer, self.scheduler, to_dict(self.cfg), self.cfg.checkpoint.keep)
 
     def train(self) -> float:
         cfg = self.cfg
         world = dist.get_world_size()
         flops = flops_per_iteration(cfg)
         tokens_per_iter = cfg.train.global_batch_size * cfg.model.seq_length
+        # a resumed run appends to its metrics file; a fresh one starts it anew
+        self.writer = MetricsWriter(self.owns_log, cfg.logging.metrics_file, cfg.logging.tensorboard_dir,
+                                    append=self.iteration > 0)
         it = micro_batches(self.train_ds, self.consumed, cfg.train.micro_batch_size,
                            parallel_state.get_data_parallel_rank(), self.dp, self.device)
         self.model.train()
         loss = float("nan")
         window_start, window_iters = time.perf_counter(), 0
         last = self.iteration >= cfg.train.train_iters
+        in_a_row = 0
         while not last:
             self._zero_grad()
             stats = self._run(it, forward_only=False)
-            ok, grad_norm, _ = self.optimizer.step()
+            loss = _mean_loss(stats, self.device)
+            loss_ok = all_ranks(math.isfinite(loss) or not parallel_state.is_pipeline_last_stage(), self.device)
+            if loss_ok:
+                ok, grad_norm, _ = self.optimizer.step()
+            else:  # a non-finite loss: leave the weights alone
+                ok, grad_norm = False, float("nan")
+                self._zero_grad()
             grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
             if ok and math.isfinite(grad_norm):
                 self.scheduler.step(increment=1)
+                in_a_row = 0
             else:
                 self.skipped += 1
+                in_a_row += 1
             self.iteration += 1
             self.consumed += cfg.train.global_batch_size
             window_iters += 1
-            loss = _mean_loss(stats, self.device)
-            last = self.iteration == cfg.train.train_iters or bool(
+            stop = stop_requested(self.device)
+            aborting = in_a_row >= cfg.train.max_consecutive_skips
+            last = stop or aborting or self.iteration == cfg.train.train_iters or bool(
                 cfg.train.exit_interval and self.iteration % cfg.train.exit_interval == 0)
             val_loss = None
             if cfg.train.eval_interval and (self.iteration % cfg.train.eval_interval == 0 or last) and self.valid_ds:
@@ -162,4 +216,11 @@ class Trainer:
         self.writer.close()
         if hasattr(self.optimizer, "close"):
             self.optimizer.close()
+        if aborting:
+            where = f"; the last good state is saved in {cfg.checkpoint.save}" if cfg.checkpoint.save else ""
+            raise TrainingAborted(f"{in_a_row} consecutive iterations had a non-finite loss or gradient norm "
+                                  f"(last at iteration {self.iteration}){where}")
+        if stop:
+            print_rank_0(f"stopped by signal at iteration {self.iteration}"
+                         + (f", checkpoint saved in {cfg.checkpoint.save}" if cfg.checkpoint.save else ""))
         return loss

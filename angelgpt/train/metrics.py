@@ -24,7 +24,8 @@ def gpu_memory_gib() -> float:
 class MetricsWriter:
     """Writes on the rank that owns the loss (the last pipeline stage's first TP/DP rank)."""
 
-    def __init__(self, enabled: bool, metrics_file: Optional[str], tensorboard_dir: Optional[str]):
+    def __init__(self, enabled: bool, metrics_file: Optional[str], tensorboard_dir: Optional[str],
+                 append: bool = False):
         self.enabled = enabled
         self.jsonl = None
         self.tb = None
@@ -32,7 +33,7 @@ class MetricsWriter:
             return
         if metrics_file:
             Path(metrics_file).parent.mkdir(parents=True, exist_ok=True)
-            self.jsonl = open(metrics_file, "w")
+            self.jsonl = open(metrics_file, "a" if append else "w")
         if tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 

@@ -114,6 +114,7 @@ class CPUDataParallelAdamW:
         if is_loading:
             self._init_state()
         state = self.optimizer.state_dict()
+        state["state"] = {k: dict(v) for k, v in state["state"].items()}  # state_dict() shares the live dicts
         steps = {float(s["step"]) for s in state["state"].values() if "step" in s}
         for s in state["state"].values():
             s.pop("step", None)

@@ -60,8 +60,12 @@ def run(cfg) -> float:
     from angelgpt.config import ConfigError
     from angelgpt.data.dataset import build_datasets
     from angelgpt.data.tokenizer import MockTokenizer, load_tokenizer
-    from angelgpt.train.loop import Trainer
+    from angelgpt.train.loop import Trainer, install_signal_handlers
 
+    import logging
+
+    logging.getLogger("megatron.core.datasets").setLevel(logging.ERROR)  # index-cache chatter on stderr
+    install_signal_handlers()  # before anything slow: a signal during set-up stops at the first boundary
     on_gpu = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
     cfg.check_device(on_gpu)
     if on_gpu and not torch.cuda.is_available():
@@ -107,6 +111,14 @@ def main(argv=None) -> int:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"angelgpt: error: {exc}", file=sys.stderr, flush=True)
         return 2
+    except Exception as exc:
+        from angelgpt.train.loop import TrainingAborted
+
+        if not isinstance(exc, TrainingAborted):
+            raise
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"angelgpt: training aborted: {exc}", file=sys.stderr, flush=True)
+        return 1
     finally:
         from angelgpt import parallel
 

@@ -48,3 +48,7 @@ def test_world_size_checks():
         cfg.data_parallel_size(3)
     with pytest.raises(ConfigError, match="global_batch_size"):
         resolve("tiny", overrides=["train.micro_batch_size=8"]).data_parallel_size(2)
+
+
+def test_exponent_without_dot_is_a_float():
+    assert resolve("tiny", overrides=["optim.lr=1e-4"]).optim.lr == 1e-4

@@ -1,0 +1,107 @@
+"""Faults on real torchrun processes: kills during saves, signals, corrupted checkpoints,
+non-finite losses, checkpoint rotation."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.conftest import ROOT, read_metrics, run_cli, train_tiny
+from tests.unit.test_cli_errors import check_one_line_error
+
+pytestmark = pytest.mark.distributed
+WIDER = ["model.num_layers=4", "model.hidden_size=256"]  # a few MB per checkpoint: saves take a while
+
+
+def start_cli(*args):
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    return subprocess.Popen([sys.executable, "-m", "angelgpt", *map(str, args)], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def workers(proc):
+    return [p for p in psutil.Process(proc.pid).children(recursive=True)
+            if "angelgpt.train.worker" in " ".join(p.cmdline())]
+
+
+def wait_for(cond, timeout=120):
+    end = time.time() + timeout
+    while time.time() < end:
+        if cond():
+            return True
+        time.sleep(0.005)
+    return False
+
+
+def tracker(ck):
+    return int((ck / "latest_checkpointed_iteration.txt").read_text())
+
+
+def test_sigkill_during_save_leaves_previous_checkpoint_loadable(tmp_path):
+    from angelgpt.train.checkpoint import verify
+
+    ck = tmp_path / "ck"
+    proc = start_cli("train", "--size", "tiny", "--device", "cpu", "--nproc-per-node", "2", *WIDER,
+                     "train.train_iters=400", "checkpoint.save_interval=2", f"checkpoint.save={ck}")
+    try:
+        assert wait_for(lambda: (ck / "latest_checkpointed_iteration.txt").exists())
+        assert wait_for(lambda: any(p.name.endswith(".tmp") for p in ck.iterdir() if p.is_dir()))
+        for w in workers(proc):
+            w.kill()
+    finally:
+        proc.kill()
+        proc.wait()
+    last = tracker(ck)
+    assert verify(ck / f"iter_{last:07d}") is None
+    resumed = train_tiny(tmp_path, "resumed", *WIDER, f"checkpoint.load={ck}", f"train.train_iters={last + 2}",
+                         nproc=2)
+    assert resumed[0]["iteration"] == last + 1
+
+
+def test_corrupted_or_partial_checkpoint_is_refused(tmp_path):
+    ck = tmp_path / "ck"
+    train_tiny(tmp_path, "a", "train.train_iters=2", f"checkpoint.save={ck}")
+    data = next((ck / "iter_0000002").glob("*.distcp"))
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    proc = run_cli("train", "--size", "tiny", "--device", "cpu", f"checkpoint.load={ck}")
+    check_one_line_error(proc, "fails its checksum", in_worker=True)
+    (ck / "iter_0000002" / "manifest.json").unlink()
+    proc = run_cli("train", "--size", "tiny", "--device", "cpu", f"checkpoint.load={ck}")
+    check_one_line_error(proc, "is incomplete: it has no manifest.json", in_worker=True)
+
+
+def test_sigterm_saves_at_iteration_boundary_and_exits_0(tmp_path):
+    ck, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
+    proc = start_cli("train", "--size", "tiny", "--device", "cpu", "--nproc-per-node", "2", "train.train_iters=100000",
+                     "logging.log_interval=1", f"checkpoint.save={ck}", "--metrics-file", metrics)
+    assert wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    stopped = read_metrics(metrics)[-1]["iteration"]
+    assert tracker(ck) == stopped
+    assert f"stopped by signal at iteration {stopped}" in out
+
+
+def test_consecutive_non_finite_steps_abort_with_checkpoint(tmp_path):
+    ck = tmp_path / "ck"
+    proc = run_cli("train", "--size", "tiny", "--device", "cpu", "model.init_method_std=1e30",
+                   "train.max_consecutive_skips=3", f"checkpoint.save={ck}", "logging.log_interval=1")
+    assert proc.returncode == 1
+    assert "training aborted: 3 consecutive iterations had a non-finite loss" in proc.stderr
+    assert "skipped iterations:   3" in proc.stdout
+    assert tracker(ck) == 3
+
+
+def test_checkpoint_keep_rotates_old_ones(tmp_path):
+    ck = tmp_path / "ck"
+    train_tiny(tmp_path, "k", "train.train_iters=20", "checkpoint.save_interval=5", "checkpoint.keep=2",
+               f"checkpoint.save={ck}")
+    assert sorted(p.name for p in ck.iterdir() if p.is_dir()) == ["iter_0000015", "iter_0000020"]
