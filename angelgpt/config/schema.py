@@ -15,6 +15,10 @@ from typing import List, Optional, Union
 class ConfigError(ValueError):
     """Bad configuration: the message is one line, fit to print to a user as is."""
 
+    def __init__(self, message):
+        # a key or value carrying a line break must not break the one-line message
+        super().__init__(str(message).replace("\r", "\\r").replace("\n", "\\n"))
+
 
 def _require(cond: bool, msg: str) -> None:
     if not cond:

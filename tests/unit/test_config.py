@@ -51,4 +51,4 @@ def test_world_size_checks():
 
 
 def test_exponent_without_dot_is_a_float():
-    assert resolve("tiny", overrides=["optim.lr=1e-4"]).optim.lr == 1e-4
+    assert resolve("tiny", overrides=["optim.lr=1e-2"]).optim.lr == 1e-2
