@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.transformer.enums import AttnMaskType

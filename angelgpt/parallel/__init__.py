@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 from datetime import timedelta
 
 import torch
@@ -40,11 +39,3 @@ def rank() -> int:
 def print_rank_0(*args, **kwargs) -> None:
     if rank() == 0:
         print(*args, **kwargs, flush=True)
-
-
-def print_last_rank(*args, **kwargs) -> None:
-    """Prints on the global last rank, where the last pipeline stage computes the loss."""
-    last = dist.get_world_size() - 1 if dist.is_initialized() else 0
-    if rank() == last:
-        print(*args, **kwargs, flush=True)
-        sys.stdout.flush()

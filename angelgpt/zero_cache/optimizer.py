@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from angelgpt.config import Config, ConfigError
+from angelgpt.config import Config
 from angelgpt.train.optim import _no_weight_decay
 from angelgpt.zero_cache.tiers import STATES, DeviceTier, HostTier, NVMeTier, available_bytes, check_capacity
 
