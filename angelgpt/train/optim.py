@@ -34,6 +34,11 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> List[dict]:
     ]
 
 
+def clip_coefficient(norm: float, clip_grad: float) -> float:
+    """Scale for gradients so their global norm is at most clip_grad (as Megatron and torch clip)."""
+    return min(1.0, clip_grad / (norm + 1.0e-6)) if clip_grad > 0 else 1.0
+
+
 def global_grad_norm(params: List[torch.nn.Parameter]) -> torch.Tensor:
     """L2 norm of all gradients of the model (every TP/PP shard), each TP duplicate counted once."""
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
@@ -89,7 +94,7 @@ class CPUDataParallelAdamW:
         if not math.isfinite(norm):
             self.zero_grad()
             return False, norm, None
-        scale = min(1.0, self.clip_grad / (norm + 1.0e-6)) if self.clip_grad > 0 else 1.0
+        scale = clip_coefficient(norm, self.clip_grad)
         if scale < 1.0:
             for p in self.params:
                 if p.grad is not None:

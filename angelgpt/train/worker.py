@@ -25,23 +25,21 @@ def build(cfg, on_gpu: bool):
     from angelgpt.train.optim import CPUDataParallelAdamW, build_megatron_optimizer, build_scheduler
 
     model = build_gpt(cfg, on_gpu)
+    if on_gpu:
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(model.config, model)  # bf16 weights and inputs, fp32 loss
     if cfg.optim.optimizer == "zero_cache":
         import torch
 
         from angelgpt.zero_cache import ZeroCacheOptimizer
 
-        if on_gpu:
-            from megatron.core.transformer.module import Float16Module
-
-            model = Float16Module(model.config, model)
         device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
         optimizer = ZeroCacheOptimizer(model, cfg, device)
     elif on_gpu:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed import finalize_model_grads
-        from megatron.core.transformer.module import Float16Module
 
-        model = Float16Module(model.config, model)  # bf16 weights and inputs, fp32 loss
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                    use_distributed_optimizer=True)
         model = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from angelgpt.config import Config
-from angelgpt.train.optim import _no_weight_decay
+from angelgpt.train.optim import _no_weight_decay, clip_coefficient
 from angelgpt.zero_cache.tiers import STATES, DeviceTier, HostTier, NVMeTier, available_bytes, check_capacity
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -259,6 +259,7 @@ class ZeroCacheOptimizer:
             pending[first.key] = self._prefetcher.submit(
                 NVMeTier.read, first.file, self.nvme.staging(0, STATES * first.numel))
         slot = 0
+        position = {c.key: i for i, c in enumerate(nvme_chunks)}
         for c in self.chunks:
             if coef < 1.0:
                 c.grad.mul_(coef)
@@ -266,7 +267,7 @@ class ZeroCacheOptimizer:
                 self._adamw(c, c.states, c.grad, c.step)
                 continue
             staging = pending.pop(c.key).result().view(STATES, c.numel)
-            i = nvme_chunks.index(c)
+            i = position[c.key]
             if i + 1 < len(nvme_chunks):  # double buffering: read the next chunk during this update
                 nxt = nvme_chunks[i + 1]
                 pending[nxt.key] = self._prefetcher.submit(
@@ -316,10 +317,7 @@ class ZeroCacheOptimizer:
         if not math.isfinite(norm):
             self.zero_grad()
             return False, norm, None
-        coef = 1.0
-        if self.clip_grad > 0:
-            coef = min(1.0, self.clip_grad / (norm + 1.0e-6))
-        self._update_chunks(coef)
+        self._update_chunks(clip_coefficient(norm, self.clip_grad))
         self._gather_params()
         return True, norm, None
 
@@ -354,7 +352,7 @@ class ZeroCacheOptimizer:
                 replica = (*replica[:-1], 0) if isinstance(replica, tuple) else 0  # the owner is the main replica
                 for k, name in enumerate(("master", "exp_avg", "exp_avg_sq")):
                     view = flat[k][c.offsets[i]:c.offsets[i] + p.numel()].view_as(p)
-                    ten = make_sharded_optimizer_tensor(model_ten, view.clone() if is_loading else view,
+                    ten = make_sharded_optimizer_tensor(model_ten, view,
                                                         prefix=f"optimizer.zero_cache.{name}")
                     state[f"{name}.{self._model_key[id(p)]}"] = replace(ten, replica_id=replica)
         step = float(self.chunks[0].step) if self.chunks else 0.0
