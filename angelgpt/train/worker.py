@@ -32,7 +32,7 @@ def build(cfg, on_gpu: bool):
     if cfg.optim.optimizer == "zero_cache":
         import torch
 
-        from angelgpt.zero_cache import ZeroCacheOptimizer
+        from angelgpt.zero_cache.optimizer import ZeroCacheOptimizer
 
         device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
         optimizer = ZeroCacheOptimizer(model, cfg, device)

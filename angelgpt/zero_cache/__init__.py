@@ -1,5 +1,5 @@
-"""ZeRO-Cache: model states sharded over data-parallel ranks in one store over device, host and NVMe."""
+"""ZeRO-Cache: model states sharded over data-parallel ranks in one store over device, host and NVMe.
 
-from angelgpt.zero_cache.optimizer import ZeroCacheOptimizer
-
-__all__ = ["ZeroCacheOptimizer"]
+``angelgpt.zero_cache.optimizer.ZeroCacheOptimizer`` is the optimizer; ``placement`` (torch-free) says
+where each chunk goes and what each tier holds, for the optimizer and the planner alike.
+"""

@@ -1,17 +1,27 @@
-"""ZeRO-Cache optimizer: model states sharded over data-parallel ranks and placed over three tiers.
+"""ZeRO-Cache optimizer: model states sharded over data-parallel ranks, placed over three tiers, and
+updated in a pipeline that overlaps the training compute.
 
-Each data-parallel rank owns a disjoint set of whole parameters (balanced by size). The fp32
-master weights, Adam moments and fp32 gradients of what a rank owns live in flat chunks, one per
-(sub-group, weight-decay class); a sub-group is one transformer layer (the embedding first, the
-final norm and output last). Placement puts the first ``prefetch_cache_sub_group_rate`` of the
-bytes, in forward order, on the compute device (the next forward needs the first layers first),
-the rest in host memory, and what host memory cannot hold on NVMe.
+Each data-parallel rank owns a disjoint set of whole parameters (balanced by size). The fp32 master
+weights and Adam moments of what a rank owns live in flat chunks, one per (sub-group, weight-decay
+class), beside a flat gradient buffer in the model's dtype; a sub-group is one transformer layer
+(the embedding first, the final norm and output last). Placement puts the first
+``prefetch_cache_sub_group_rate`` of the state bytes, in forward order, on the compute device (the
+next forward needs the first layers first), the rest in host memory, and what host memory cannot
+hold on NVMe.
 
-A step: gradients are reduced to their owner one sub-group at a time (a reduce-scatter over a
-buffer laid out by owner), the global norm is taken over every tier and rank, the step is skipped
-on a non-finite norm, gradients are clipped, each chunk runs torch's fused AdamW where it lives
-(NVMe chunks stream through two host staging buffers, the next read overlapping this update), and
-the updated weights are all-gathered back into the model one sub-group at a time.
+One iteration, pipelined (``pipeline_optimizer: true``):
+
+1. backward: as soon as a sub-group's gradients are final (the last micro batch's hook fired for
+   every parameter in it), they are reduced to their owner (reduce-scatter; at most
+   ``max_param_reduce_events`` in flight) and copied into the owner's chunk on the D2H stream; the
+   model's gradient is released at once, so GPU memory holds gradients of a few layers only;
+2. ``step()``: the one host sync: the global norm over every tier and rank; a non-finite norm skips
+   the step; device chunks run fused AdamW on the GPU at once, and one worker thread updates host
+   and NVMe chunks sub-group by sub-group in forward order (fused CPU AdamW, NVMe chunks double
+   buffered), converting each updated master to the model dtype and uploading it on the H2D stream;
+3. next forward: a pre-hook on each sub-group's modules waits for that sub-group's upload only (a
+   stream wait on its event), then all-gathers the owners' weights over DP; later sub-groups are
+   still being updated while the first layers compute.
 
     opt = ZeroCacheOptimizer(model, cfg, device)   # Megatron-optimizer interface
     ok, grad_norm, _ = opt.step()
@@ -19,9 +29,11 @@ the updated weights are all-gathered back into the model one sub-group at a time
 
 from __future__ import annotations
 
+import collections
 import math
 import re
-from concurrent.futures import ThreadPoolExecutor
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
@@ -31,7 +43,9 @@ from megatron.core import parallel_state
 
 from angelgpt.config import Config
 from angelgpt.train.optim import _no_weight_decay, clip_coefficient
-from angelgpt.zero_cache.tiers import STATES, DeviceTier, HostTier, NVMeTier, available_bytes, check_capacity
+from angelgpt.zero_cache.pipeline import Profile, Streams
+from angelgpt.zero_cache.placement import STATES, host_room_for_states, partition, plan_tiers, tier_bytes
+from angelgpt.zero_cache.tiers import DeviceTier, HostTier, NVMeTier, available_bytes, check_capacity
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -44,51 +58,32 @@ def sub_group_index(name: str, num_layers: int) -> int:
     return 0 if "embedding" in name else num_layers + 1
 
 
-def partition(numels: List[int], ranks: int) -> List[int]:
-    """Owner rank per parameter: largest first onto the least-loaded rank (deterministic)."""
-    load = [0] * ranks
-    owner = [0] * len(numels)
-    for i in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
-        r = min(range(ranks), key=lambda r: (load[r], r))
-        owner[i] = r
-        load[r] += numels[i]
-    return owner
+def hook_module_name(name: str) -> str:
+    """The module whose forward pre-hook waits for this parameter: its transformer layer, else its owner."""
+    m = _LAYER.search(name)
+    return name[:m.end() - 1] if m else name.rsplit(".", 1)[0]
 
 
 @dataclass
 class Chunk:
-    """Flat fp32 states of the parameters one rank owns in one sub-group and weight-decay class."""
+    """Flat states of the parameters one rank owns in one sub-group and weight-decay class."""
 
     key: str
+    group: int
     params: List[torch.nn.Parameter]
     decay: bool
     tier: str = "host"
     numel: int = 0
     offsets: List[int] = field(default_factory=list)
-    states: Optional[torch.Tensor] = None  # [3, numel]: master, exp_avg, exp_avg_sq (device/host tiers)
+    states: Optional[torch.Tensor] = None  # [3, numel] fp32: master, exp_avg, exp_avg_sq (device/host tiers)
     file: Optional[object] = None  # NVMe tier
-    grad: Optional[torch.Tensor] = None  # [numel] fp32, reduced and owned
+    grad: Optional[torch.Tensor] = None  # [numel], model dtype: reduced and owned (device tier, else host)
+    grad_ready: Optional[object] = None  # CUDA event: the gradient's D2H copy is done
     step: Optional[torch.Tensor] = None
 
     def views(self, flat: torch.Tensor):
         for p, off in zip(self.params, self.offsets):
             yield p, flat[off:off + p.numel()].view_as(p)
-
-
-def plan_tiers(chunk_bytes: List[int], rate: float, host_limit: int, nvme_enabled: bool) -> List[str]:
-    """Tier per chunk, chunks in forward order: device for the first `rate` of the bytes, then host, then NVMe."""
-    total = sum(chunk_bytes)
-    tiers, on_device, on_host = [], 0, 0
-    for b in chunk_bytes:
-        if rate >= 1.0 or (rate > 0.0 and on_device + b <= rate * total + 0.5 * b):
-            tiers.append("device")
-            on_device += b
-        elif not nvme_enabled or on_host + b <= host_limit:
-            tiers.append("host")
-            on_host += b
-        else:
-            tiers.append("nvme")
-    return tiers
 
 
 class ZeroCacheOptimizer:
@@ -102,9 +97,14 @@ class ZeroCacheOptimizer:
         self.group = parallel_state.get_data_parallel_group()
         self.dp_rank, self.dp_size = self.group.rank(), self.group.size()
         self.use_reduce_scatter = dist.get_backend(self.group) == "nccl"
+        self.pipelined = zc.pipeline_optimizer
+        self.max_reduce_events = zc.max_param_reduce_events
+        self.num_microbatches = cfg.train.global_batch_size // (cfg.train.micro_batch_size * self.dp_size)
         rate = zc.prefetch_cache_sub_group_rate
         if rate == "auto":
-            rate = 1.0 if device.type == "cpu" else 0.0
+            from angelgpt.planner import auto_rate
+
+            rate = auto_rate(cfg, device, self.dp_size)
         self.rate = float(rate)
 
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -112,12 +112,15 @@ class ZeroCacheOptimizer:
         owners = partition([p.numel() for p in self.params], self.dp_size)
         self.owner = {id(p): r for p, r in zip(self.params, owners)}
         n_groups = cfg.model.num_layers + 2
-        self.sub_groups: List[List[torch.nn.Parameter]] = [[] for _ in range(n_groups)]
+        groups: List[List[Tuple[str, torch.nn.Parameter]]] = [[] for _ in range(n_groups)]
         decay = {}
         for name, p in named:
-            self.sub_groups[sub_group_index(name, cfg.model.num_layers)].append(p)
+            groups[sub_group_index(name, cfg.model.num_layers)].append((name, p))
             decay[id(p)] = not _no_weight_decay(name, p)
-        self.sub_groups = [g for g in self.sub_groups if g]
+        groups = [g for g in groups if g]
+        self.sub_groups = [[p for _, p in g] for g in groups]
+        self.group_of = {id(p): gi for gi, g in enumerate(self.sub_groups) for p in g}
+        self.layouts = [self._owner_layout(g) for g in self.sub_groups]
         self.param_groups = [
             {"params": [p for p in self.params if decay[id(p)]], "lr": o.lr, "weight_decay": o.weight_decay,
              "wd_mult": 1.0},
@@ -130,196 +133,387 @@ class ZeroCacheOptimizer:
             for is_decay in (True, False):
                 mine = [p for p in group if decay[id(p)] == is_decay and self.owner[id(p)] == self.dp_rank]
                 if mine:
-                    c = Chunk(key=f"g{gi:04d}_{'decay' if is_decay else 'nodecay'}", params=mine, decay=is_decay)
+                    c = Chunk(key=f"g{gi:04d}_{'decay' if is_decay else 'nodecay'}", group=gi, params=mine,
+                              decay=is_decay)
                     off = 0
                     for p in mine:
                         c.offsets.append(off)
                         off += p.numel()
                     c.numel = off
                     self.chunks.append(c)
+        self.chunks_of: List[List[Chunk]] = [[c for c in self.chunks if c.group == gi]
+                                             for gi in range(len(self.sub_groups))]
+        self.model_dtype = self.params[0].dtype
         self._place(zc)
+        self.streams = Streams(device)
+        self.profile = Profile(device, enabled=zc.is_communication_time_profiling)
         self._allocate()
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero-cache-update")
         self._prefetcher = ThreadPoolExecutor(max_workers=1) if self.nvme else None
+        self._pending: Dict[int, Future] = {}  # sub-group -> its update in flight (events to wait on)
+        self._needs_gather: set = set()
+        self._handles = []
+        self._install_hooks(model, named)
+        self._reset_backward_state()
 
     # -- placement and allocation ------------------------------------------------------------
     def _place(self, zc) -> None:
         avail = available_bytes(self.device, zc.host_max_gib, zc.nvme_path, zc.nvme_max_gib)
-        state_bytes = [c.numel * 4 * STATES for c in self.chunks]
-        host_for_states = avail["host"] - sum(c.numel * 4 for c in self.chunks)  # grads of every non-device chunk
+        grad_bytes = self.params[0].element_size()
+        numels = [c.numel for c in self.chunks]
+        state_bytes = [n * 4 * STATES for n in numels]
+        host_for_states = host_room_for_states(avail["host"], numels, grad_bytes, bool(zc.nvme_path))
         tiers = plan_tiers(state_bytes, self.rate, host_for_states, bool(zc.nvme_path))
-        needed = {"device": 0, "host": 0, "nvme": 0}
-        for c, t, b in zip(self.chunks, tiers, state_bytes):
+        for c, t in zip(self.chunks, tiers):
             c.tier = t
-            needed[t] += b
-            needed["device" if t == "device" else "host"] += c.numel * 4  # the owned fp32 gradient
+        needed = tier_bytes(numels, tiers, grad_bytes)
         if not zc.nvme_path:
             needed.pop("nvme")
         check_capacity(needed, avail)
         self.planned_bytes = needed
 
     def _allocate(self) -> None:
-        pin = self.device.type == "cuda"
-        self.tiers = {"device": DeviceTier(self.device), "host": HostTier(pin)}
-        self.nvme = NVMeTier(self.cfg.zero_cache.nvme_path, pin) if self.cfg.zero_cache.nvme_path else None
+        on_cuda = self.device.type == "cuda"
+        self.tiers = {"device": DeviceTier(self.device), "host": HostTier(pin=on_cuda)}
+        zc = self.cfg.zero_cache
+        self.nvme = NVMeTier(zc.nvme_path) if zc.nvme_path else None
         if self.nvme:
             self.tiers["nvme"] = self.nvme
+        sizes = {t: [c.numel for c in self.chunks if (c.tier == "device") == (t == "device")] for t in ("device", "host")}
+        self.scratch = {t: self.tiers[t].allocate(max(n)) for t, n in sizes.items() if n}
+        nvme_sizes = [c.numel for c in self.chunks if c.tier == "nvme"]
+        if nvme_sizes:
+            self.tiers["host"].bytes += self.nvme.reserve_staging(STATES * max(nvme_sizes))
+        upload = [c.numel for c in self.chunks if c.tier != "device"]
+        # two pinned buffers in the model dtype carry updated weights to the device (double buffered)
+        self._upload = [torch.empty(max(upload), dtype=self.model_dtype, pin_memory=True)
+                        for _ in range(2)] if upload and on_cuda else []
+        self._upload_done = [None, None]
         for c in self.chunks:
             grad_tier = self.tiers["device" if c.tier == "device" else "host"]
-            c.grad = grad_tier.allocate(c.numel)
+            c.grad = grad_tier.allocate(c.numel, self.model_dtype, pinned=True)
             step_device = self.device if c.tier == "device" else torch.device("cpu")
             c.step = torch.zeros((), dtype=torch.float32, device=step_device)
+            # the owned weights reach the chunk through its gradient buffer (pinned when it is on the host)
+            for p, view in c.views(c.grad):
+                view.copy_(p.detach())
             if c.tier == "nvme":
                 c.file = self.nvme.create(c.key, STATES * c.numel)
                 staging = self.nvme.staging(0, STATES * c.numel).zero_()
-                self._fill_master(c, staging.view(STATES, c.numel)[0])
+                staging[:c.numel].copy_(c.grad)
                 NVMeTier.write(c.file, staging)
             else:
                 c.states = self.tiers[c.tier].allocate(STATES * c.numel).view(STATES, c.numel)
-                self._fill_master(c, c.states[0])
-
-    @staticmethod
-    def _fill_master(c: Chunk, master: torch.Tensor) -> None:
-        for p, view in c.views(master):
-            view.copy_(p.detach())
+                c.states[0].copy_(c.grad)
 
     def allocated_bytes(self) -> Dict[str, int]:
-        """Bytes each tier actually holds (chunk states and owned gradients)."""
+        """Bytes each tier actually holds (chunk states, owned gradients, scratch and staging)."""
         return {name: tier.bytes for name, tier in self.tiers.items()}
 
-    # -- the step -----------------------------------------------------------------------------
-    def zero_grad(self) -> None:
-        for p in self.params:
-            p.grad = None
-
     def _owner_layout(self, group: List[torch.nn.Parameter]):
-        """Per rank, its owned params in this sub-group and their offsets in a padded flat segment."""
+        """Per rank, its owned params in this sub-group and the size of a padded flat segment."""
         per_rank: List[List[torch.nn.Parameter]] = [[] for _ in range(self.dp_size)]
         for p in group:
             per_rank[self.owner[id(p)]].append(p)
         seg = max(sum(p.numel() for p in ps) for ps in per_rank)
         return per_rank, seg
 
-    def _reduce_grads(self) -> torch.Tensor:
-        """Averages gradients over DP into their owner's chunk; returns the owned squared norm."""
+    # -- hooks -----------------------------------------------------------------------------------
+    def _install_hooks(self, model: torch.nn.Module, named) -> None:
+        modules = dict(model.named_modules())
+        waits: Dict[str, set] = collections.defaultdict(set)
+        for name, p in named:
+            waits[hook_module_name(name)].add(self.group_of[id(p)])
+            self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        for mod_name, gis in waits.items():
+            gis = sorted(gis)
+
+            def pre_hook(module, args, gis=gis):
+                for gi in gis:
+                    self._complete(gi)
+
+            self._handles.append(modules[mod_name].register_forward_pre_hook(pre_hook))
+
+    def _reset_backward_state(self) -> None:
+        self._accumulated = collections.Counter()
+        self._left = [len(g) for g in self.sub_groups]
+        self._offloaded = [False] * len(self.sub_groups)
+        self._sq = torch.zeros((), dtype=torch.float32, device=self.device)
+        self._in_flight = collections.deque()
+
+    def _on_grad(self, p: torch.nn.Parameter) -> None:
+        """Post-accumulate hook: a sub-group whose gradients are final is reduced and offloaded now."""
+        self._accumulated[id(p)] += 1
+        if self._accumulated[id(p)] != self.num_microbatches:
+            return
+        gi = self.group_of[id(p)]
+        self._left[gi] -= 1
+        if self._left[gi] == 0:
+            self._offload(gi)
+
+    # -- gradients: reduce to the owner, offload, release -----------------------------------------
+    @torch.no_grad()
+    def _offload(self, gi: int) -> None:
+        if self._offloaded[gi]:
+            return
+        self._offloaded[gi] = True
+        self._complete(gi)  # never overwrite a chunk's gradient before its last update read it
+        group = self.sub_groups[gi]
+        if self.dp_size == 1:
+            self._to_owner(gi, [(p, p.grad if p.grad is not None else torch.zeros_like(p)) for p in group])
+            for p in group:
+                self._release(p)
+            return
+        per_rank, seg = self.layouts[gi]
+        flat = torch.zeros(self.dp_size * seg, dtype=torch.float32, device=self.device)
+        for r, ps in enumerate(per_rank):
+            off = r * seg
+            for p in ps:
+                if p.grad is not None:
+                    flat[off:off + p.numel()].copy_(p.grad.reshape(-1))
+                off += p.numel()
+        for p in group:
+            self._release(p)
+        t0 = self.profile.start("reduce_scatter")
+        if self.use_reduce_scatter:
+            mine = torch.empty(seg, dtype=torch.float32, device=self.device)
+            work = dist.reduce_scatter_tensor(mine, flat, group=self.group, async_op=True)
+        else:
+            work = dist.all_reduce(flat, group=self.group, async_op=True)
+            mine = flat[self.dp_rank * seg:(self.dp_rank + 1) * seg]
+        self._in_flight.append((gi, work, mine, t0))
+        while len(self._in_flight) > self.max_reduce_events:
+            self._finish_reduce()
+
+    def _finish_reduce(self) -> None:
+        gi, work, mine, t0 = self._in_flight.popleft()
+        work.wait()
+        self.profile.stop("reduce_scatter", t0)
+        mine.div_(self.dp_size)
+        per_rank, _ = self.layouts[gi]
+        grads, off = [], 0
+        for p in per_rank[self.dp_rank]:
+            grads.append((p, mine[off:off + p.numel()].view_as(p)))
+            off += p.numel()
+        self._to_owner(gi, grads)
+
+    def _to_owner(self, gi: int, grads) -> None:
+        """Squared norm (on the device, no sync) and copy of owned gradients into their chunks."""
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
-        owned_grad = {}
-        for c in self.chunks:
-            for p, view in c.views(c.grad):
-                owned_grad[id(p)] = view
-        sq = torch.zeros((), dtype=torch.float32, device=self.device)
-        for group in self.sub_groups:
-            per_rank, seg = self._owner_layout(group)
-            flat = torch.zeros(self.dp_size * seg, dtype=torch.float32, device=self.device)
-            for r, ps in enumerate(per_rank):
-                off = r * seg
-                for p in ps:
-                    if p.grad is not None:
-                        flat[off:off + p.numel()].copy_(p.grad.reshape(-1))
-                    off += p.numel()
-            if self.dp_size > 1:
-                if self.use_reduce_scatter:
-                    mine = torch.empty(seg, dtype=torch.float32, device=self.device)
-                    dist.reduce_scatter_tensor(mine, flat, group=self.group)
-                else:
-                    dist.all_reduce(flat, group=self.group)
-                    mine = flat[self.dp_rank * seg:(self.dp_rank + 1) * seg]
-                mine.div_(self.dp_size)
-            else:
-                mine = flat
-            off = 0
-            for p in per_rank[self.dp_rank]:
-                g = mine[off:off + p.numel()]
-                if param_is_not_tensor_parallel_duplicate(p):
-                    sq += g.pow(2).sum()
-                owned_grad[id(p)].copy_(g.view_as(p))
-                off += p.numel()
-        return sq
+        where = {id(p): (c, off) for c in self.chunks_of[gi] for p, off in zip(c.params, c.offsets)}
+        for p, g in grads:
+            if param_is_not_tensor_parallel_duplicate(p):
+                self._sq += torch.linalg.vector_norm(g, dtype=torch.float32).square()
+        if not self.streams.cuda:
+            for p, g in grads:
+                c, off = where[id(p)]
+                c.grad[off:off + p.numel()].copy_(g.reshape(-1))
+            return
+        produced = torch.cuda.current_stream(self.device).record_event()
+        t0 = self.profile.start("d2h", self.streams.d2h)
+        with torch.cuda.stream(self.streams.d2h):
+            self.streams.d2h.wait_event(produced)
+            for p, g in grads:
+                c, off = where[id(p)]
+                c.grad[off:off + p.numel()].copy_(g.reshape(-1), non_blocking=True)
+                g.record_stream(self.streams.d2h)
+                self.profile.add_bytes("d2h", g.numel() * g.element_size() if c.tier != "device" else 0)
+            for c in self.chunks_of[gi]:
+                c.grad_ready = self.streams.d2h.record_event()
+        self.profile.stop("d2h", t0, self.streams.d2h)
 
-    def _global_norm(self, sq: torch.Tensor) -> float:
+    def _release(self, p: torch.nn.Parameter) -> None:
+        if p.grad is not None and self.streams.cuda:
+            p.grad.record_stream(self.streams.d2h)
+        p.grad = None
+
+    def _flush(self) -> None:
+        """Offloads what no hook offloaded (a parameter without a gradient, a partial last micro batch)."""
+        for gi in range(len(self.sub_groups)):
+            if not self._offloaded[gi]:
+                self._offload(gi)
+        while self._in_flight:
+            self._finish_reduce()
+
+    # -- the step -----------------------------------------------------------------------------
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+        self._reset_backward_state()
+
+    def _global_norm(self) -> float:
+        sq = self._sq
         if self.dp_size > 1:
             dist.all_reduce(sq, group=self.group)
         mp = parallel_state.get_model_parallel_group()
         if mp.size() > 1:
             dist.all_reduce(sq, group=mp)
-        return math.sqrt(sq.item())
-
-    def _adamw(self, c: Chunk, states: torch.Tensor, grad: torch.Tensor, step: torch.Tensor) -> None:
-        group = self.param_groups[0 if c.decay else 1]
-        step += 1
-        torch._fused_adamw_([states[0]], [grad], [states[1]], [states[2]], [], [step],
-                            lr=group["lr"], beta1=self.betas[0], beta2=self.betas[1],
-                            weight_decay=group["weight_decay"], eps=self.eps, amsgrad=False, maximize=False)
-
-    def _update_chunks(self, coef: float) -> None:
-        nvme_chunks = [c for c in self.chunks if c.tier == "nvme"]
-        pending = {}
-        if nvme_chunks:
-            first = nvme_chunks[0]
-            pending[first.key] = self._prefetcher.submit(
-                NVMeTier.read, first.file, self.nvme.staging(0, STATES * first.numel))
-        slot = 0
-        position = {c.key: i for i, c in enumerate(nvme_chunks)}
-        for c in self.chunks:
-            if coef < 1.0:
-                c.grad.mul_(coef)
-            if c.tier != "nvme":
-                self._adamw(c, c.states, c.grad, c.step)
-                continue
-            staging = pending.pop(c.key).result().view(STATES, c.numel)
-            i = position[c.key]
-            if i + 1 < len(nvme_chunks):  # double buffering: read the next chunk during this update
-                nxt = nvme_chunks[i + 1]
-                pending[nxt.key] = self._prefetcher.submit(
-                    NVMeTier.read, nxt.file, self.nvme.staging(1 - slot, STATES * nxt.numel))
-            self._adamw(c, staging, c.grad, c.step)
-            self._master_to_model(c, staging[0])
-            NVMeTier.write(c.file, staging)
-            slot = 1 - slot
-
-    def _master_to_model(self, c: Chunk, master: torch.Tensor) -> None:
-        for p, view in c.views(master):
-            p.data.copy_(view)
-
-    @torch.no_grad()
-    def _gather_params(self) -> None:
-        for c in self.chunks:
-            if c.tier != "nvme":
-                self._master_to_model(c, c.states[0])
-        if self.dp_size == 1:
-            return
-        for group in self.sub_groups:
-            per_rank, seg = self._owner_layout(group)
-            dtype = group[0].dtype
-            mine = torch.zeros(seg, dtype=dtype, device=self.device)
-            off = 0
-            for p in per_rank[self.dp_rank]:
-                mine[off:off + p.numel()].copy_(p.detach().reshape(-1))
-                off += p.numel()
-            if self.use_reduce_scatter:
-                full = torch.empty(self.dp_size * seg, dtype=dtype, device=self.device)
-                dist.all_gather_into_tensor(full, mine, group=self.group)
-                parts = full.split(seg)
-            else:
-                parts = [torch.empty_like(mine) for _ in range(self.dp_size)]
-                dist.all_gather(parts, mine, group=self.group)
-            for r, ps in enumerate(per_rank):
-                if r == self.dp_rank:
-                    continue
-                off = 0
-                for p in ps:
-                    p.data.copy_(parts[r][off:off + p.numel()].view_as(p))
-                    off += p.numel()
+        return math.sqrt(sq.item())  # the one host sync of the step: clipping needs the norm
 
     @torch.no_grad()
     def step(self) -> Tuple[bool, float, Optional[int]]:
-        norm = self._global_norm(self._reduce_grads())
+        t0 = time.perf_counter()
+        self._flush()
+        norm = self._global_norm()
+        self.profile.exposed("step", time.perf_counter() - t0)
+        self.profile.end_iteration()
         if not math.isfinite(norm):
             self.zero_grad()
             return False, norm, None
-        self._update_chunks(clip_coefficient(norm, self.clip_grad))
-        self._gather_params()
+        coef = clip_coefficient(norm, self.clip_grad)
+        hyper = [(g["lr"], g["weight_decay"]) for g in self.param_groups]  # the scheduler moves on meanwhile
+        after_backward = None
+        if self.streams.cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self.streams.d2h)  # device chunks' gradients
+            after_backward = torch.cuda.current_stream(self.device).record_event()
+        for gi in range(len(self.sub_groups)):
+            for c in self.chunks_of[gi]:
+                if c.tier == "device":
+                    self._update_on_device(c, coef, hyper)
+            if any(c.tier != "device" for c in self.chunks_of[gi]):
+                self._pending[gi] = self._worker.submit(self._update_off_device, gi, coef, hyper, after_backward)
+            if self.dp_size > 1:
+                self._needs_gather.add(gi)
+        if not self.pipelined:
+            t0 = time.perf_counter()
+            self.wait_all()
+            self.profile.exposed("step", time.perf_counter() - t0)
         return True, norm, None
+
+    def _adamw(self, c: Chunk, states: torch.Tensor, grad: torch.Tensor, hyper) -> None:
+        lr, wd = hyper[0 if c.decay else 1]
+        c.step += 1
+        torch._fused_adamw_([states[0]], [grad], [states[1]], [states[2]], [], [c.step],
+                            lr=lr, beta1=self.betas[0], beta2=self.betas[1],
+                            weight_decay=wd, eps=self.eps, amsgrad=False, maximize=False)
+
+    def _update_on_device(self, c: Chunk, coef: float, hyper) -> None:
+        grad = self.scratch["device"][:c.numel]
+        grad.copy_(c.grad)
+        if coef < 1.0:
+            grad.mul_(coef)
+        self._adamw(c, c.states, grad, hyper)
+        for p, view in c.views(c.states[0]):
+            p.data.copy_(view)
+
+    def _update_off_device(self, gi: int, coef: float, hyper, after_backward) -> list:
+        """Worker thread: host and NVMe chunks of one sub-group; returns the events of their uploads."""
+        events = []
+        for c in self.chunks_of[gi]:
+            if c.tier == "device":
+                continue
+            if c.grad_ready is not None:
+                c.grad_ready.synchronize()
+            t0 = time.perf_counter()
+            grad = self.scratch["host"][:c.numel]
+            grad.copy_(c.grad)
+            if coef < 1.0:
+                grad.mul_(coef)
+            if c.tier == "nvme":
+                states = self._nvme_states(c)
+            else:
+                states = c.states
+            t1 = time.perf_counter()
+            self._adamw(c, states, grad, hyper)
+            self.profile.busy("cpu_optimizer", time.perf_counter() - t1)
+            events.append(self._upload_master(c, states[0], after_backward))
+            if c.tier == "nvme":
+                t2 = time.perf_counter()
+                NVMeTier.write(c.file, states.reshape(-1))
+                self.profile.busy("nvme", time.perf_counter() - t2, c.numel * STATES * 4)
+            self.profile.busy("update_thread", time.perf_counter() - t0)
+        return [e for e in events if e is not None]
+
+    def _nvme_states(self, c: Chunk) -> torch.Tensor:
+        """Reads this NVMe chunk (prefetched while the previous one was updated) and starts the next read."""
+        order = [x for x in self.chunks if x.tier == "nvme"]
+        i = next(k for k, x in enumerate(order) if x is c)
+        slot = i % 2
+        if i == 0:
+            self._nvme_next = self._prefetcher.submit(self._timed_read, order[0], 0)
+        states = self._nvme_next.result()
+        if i + 1 < len(order):
+            self._nvme_next = self._prefetcher.submit(self._timed_read, order[i + 1], 1 - slot)
+        return states
+
+    def _timed_read(self, c: Chunk, slot: int) -> torch.Tensor:
+        t0 = time.perf_counter()
+        out = NVMeTier.read(c.file, self.nvme.staging(slot, STATES * c.numel)).view(STATES, c.numel)
+        self.profile.busy("nvme", time.perf_counter() - t0, c.numel * STATES * 4)
+        return out
+
+    def _upload_master(self, c: Chunk, master: torch.Tensor, after_backward):
+        """Updated weights into the model: on CUDA through a pinned buffer on the H2D stream (an event
+        to wait on); on CPU a plain copy."""
+        if not self.streams.cuda:
+            for p, view in c.views(master):
+                p.data.copy_(view)
+            return None
+        slot = self._slot = 1 - getattr(self, "_slot", 1)
+        if self._upload_done[slot] is not None:
+            self._upload_done[slot].synchronize()  # the buffer's previous upload has left it
+        staging = self._upload[slot][:c.numel]
+        staging.copy_(master)
+        t0 = self.profile.start("h2d", self.streams.h2d)
+        with torch.cuda.stream(self.streams.h2d):
+            self.streams.h2d.wait_event(after_backward)  # backward has finished reading the old weights
+            for p, view in c.views(staging):
+                p.data.copy_(view, non_blocking=True)
+            done = self.streams.h2d.record_event()
+        self.profile.stop("h2d", t0, self.streams.h2d)
+        self.profile.add_bytes("h2d", c.numel * staging.element_size())
+        self._upload_done[slot] = done
+        return done
+
+    def _complete(self, gi: int) -> None:
+        """Makes sub-group gi's updated weights usable on the current stream (the forward pre-hook)."""
+        fut = self._pending.pop(gi, None)
+        if fut is not None:
+            t0 = time.perf_counter()
+            events = fut.result()
+            self.profile.exposed("wait_update", time.perf_counter() - t0)
+            for e in events:
+                torch.cuda.current_stream(self.device).wait_event(e)
+        if gi in self._needs_gather:
+            self._needs_gather.discard(gi)
+            self._all_gather(gi)
+
+    def wait_all(self) -> None:
+        """Every pending update applied (before a checkpoint, an evaluation or the end)."""
+        for gi in sorted(set(self._pending) | self._needs_gather):
+            self._complete(gi)
+
+    @torch.no_grad()
+    def _all_gather(self, gi: int) -> None:
+        per_rank, seg = self.layouts[gi]
+        group = self.sub_groups[gi]
+        t0 = self.profile.start("all_gather")
+        dtype = group[0].dtype
+        mine = torch.zeros(seg, dtype=dtype, device=self.device)
+        off = 0
+        for p in per_rank[self.dp_rank]:
+            mine[off:off + p.numel()].copy_(p.detach().reshape(-1))
+            off += p.numel()
+        if self.use_reduce_scatter:
+            full = torch.empty(self.dp_size * seg, dtype=dtype, device=self.device)
+            dist.all_gather_into_tensor(full, mine, group=self.group)
+            parts = full.split(seg)
+        else:
+            parts = [torch.empty_like(mine) for _ in range(self.dp_size)]
+            dist.all_gather(parts, mine, group=self.group)
+        for r, ps in enumerate(per_rank):
+            if r == self.dp_rank:
+                continue
+            off = 0
+            for p in ps:
+                p.data.copy_(parts[r][off:off + p.numel()].view_as(p))
+                off += p.numel()
+        self.profile.stop("all_gather", t0)
+
+    def profile_record(self) -> Optional[dict]:
+        """The last iteration's transfer and optimizer times (is_communication_time_profiling)."""
+        return self.profile.last
 
     # -- checkpoints -----------------------------------------------------------------------------
     def _chunk_states(self, c: Chunk) -> torch.Tensor:
@@ -337,6 +531,7 @@ class ZeroCacheOptimizer:
             make_sharded_optimizer_tensor,
         )
 
+        self.wait_all()
         owned = [p for c in self.chunks for p in c.params]
         id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, iter(owned))
         index = {id(p): i for i, p in enumerate(owned)}
@@ -360,6 +555,7 @@ class ZeroCacheOptimizer:
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Takes what dist_checkpointing loaded for sharded_state_dict(..., is_loading=True)."""
+        self.wait_all()
         tensors = state_dict["state"]
         step = float(state_dict["common_step"])
         for c in self.chunks:
@@ -375,10 +571,16 @@ class ZeroCacheOptimizer:
                 c.states.copy_(flat)
             for p, off in zip(c.params, c.offsets):
                 p.data.copy_(flat[0][off:off + p.numel()].view_as(p))
-        self._gather_params()
+        if self.dp_size > 1:
+            for gi in range(len(self.sub_groups)):
+                self._all_gather(gi)
 
     def close(self) -> None:
+        self.wait_all()
+        self._worker.shutdown()
         if self._prefetcher:
             self._prefetcher.shutdown()
+        for h in self._handles:
+            h.remove()
         if self.nvme:
             self.nvme.close()

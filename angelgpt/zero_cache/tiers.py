@@ -19,7 +19,6 @@ import torch
 from angelgpt.config import ConfigError
 
 GIB = 1024 ** 3
-STATES = 3  # fp32 master weights, exp_avg, exp_avg_sq
 
 
 def mem_available_bytes() -> int:
@@ -51,21 +50,29 @@ class DeviceTier:
         self.device = device
         self.bytes = 0
 
-    def allocate(self, numel: int) -> torch.Tensor:
-        self.bytes += numel * 4
-        return torch.zeros(numel, dtype=torch.float32, device=self.device)
+    def allocate(self, numel: int, dtype: torch.dtype = torch.float32, pinned: bool = False) -> torch.Tensor:
+        self.bytes += numel * torch.tensor([], dtype=dtype).element_size()
+        return torch.zeros(numel, dtype=dtype, device=self.device)
 
 
 class HostTier:
+    """Host memory. Only what crosses PCIe (gradients, parameter staging) is pinned; fp32 states that
+    the CPU updates in place stay pageable, so start-up pins a few bytes per parameter, not twelve."""
+
     name = "host"
 
     def __init__(self, pin: bool):
         self.pin = pin
         self.bytes = 0
+        self.pinned_bytes = 0
 
-    def allocate(self, numel: int) -> torch.Tensor:
-        self.bytes += numel * 4
-        return torch.zeros(numel, dtype=torch.float32, pin_memory=self.pin)
+    def allocate(self, numel: int, dtype: torch.dtype = torch.float32, pinned: bool = False) -> torch.Tensor:
+        nbytes = numel * torch.tensor([], dtype=dtype).element_size()
+        self.bytes += nbytes
+        if pinned and self.pin:
+            self.pinned_bytes += nbytes
+            return torch.zeros(numel, dtype=dtype, pin_memory=True)
+        return torch.zeros(numel, dtype=dtype)
 
 
 class NVMeTier:
@@ -73,7 +80,7 @@ class NVMeTier:
 
     name = "nvme"
 
-    def __init__(self, path: str, pin: bool):
+    def __init__(self, path: str):
         root = Path(path)
         try:
             root.mkdir(parents=True, exist_ok=True)
@@ -84,7 +91,6 @@ class NVMeTier:
             raise ConfigError(f"zero_cache.nvme_path {path} is not writable: {exc.strerror or exc}") from None
         self.dir = root / f"angelgpt-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.dir.mkdir()
-        self.pin = pin
         self.bytes = 0
         self._staging = []  # two reusable host buffers (double buffering)
 
@@ -102,11 +108,16 @@ class NVMeTier:
         self.bytes += numel * 4
         return file
 
+    def reserve_staging(self, numel: int) -> int:
+        """Allocates the two staging buffers (host memory, pageable: the CPU updates them) once; returns bytes."""
+        self._staging = [torch.zeros(numel, dtype=torch.float32) for _ in range(2)]
+        return 2 * numel * 4
+
     def staging(self, slot: int, numel: int) -> torch.Tensor:
         while len(self._staging) <= slot:
             self._staging.append(torch.empty(0, dtype=torch.float32))
         if self._staging[slot].numel() < numel:
-            self._staging[slot] = torch.empty(numel, dtype=torch.float32, pin_memory=self.pin)
+            self._staging[slot] = torch.empty(numel, dtype=torch.float32)
         return self._staging[slot][:numel]
 
     @staticmethod

@@ -27,7 +27,7 @@ def main():
     from angelgpt.config import resolve
     from angelgpt.model.gpt import build_gpt
     from angelgpt.train.optim import param_groups
-    from angelgpt.zero_cache import ZeroCacheOptimizer
+    from angelgpt.zero_cache.optimizer import ZeroCacheOptimizer
 
     cfg = resolve("tiny", overrides=["optim.optimizer=zero_cache", "optim.clip_grad=0.5", "optim.weight_decay=0.1",
                                      *overrides])
@@ -40,6 +40,7 @@ def main():
     ref = build_gpt(cfg, on_gpu=False).to(device)  # the same weights: CPU init draws them from the seed
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
     opt = ZeroCacheOptimizer(model, cfg, device)
+    opt.num_microbatches = 1  # one backward per step here: the hooks offload each layer during it
     o = cfg.optim
     ref_opt = torch.optim.AdamW(param_groups(ref, o.weight_decay), lr=o.lr, betas=(o.adam_beta1, o.adam_beta2),
                                 eps=o.adam_eps, weight_decay=o.weight_decay)
@@ -62,6 +63,7 @@ def main():
         ref_opt.step()
         ok, norm, _ = opt.step()
         assert ok
+        opt.wait_all()  # pipelined: the update lands at the next forward's pre-hooks, or here
         if opt.nvme:
             nvme_files = sorted(str(f) for f in opt.nvme.dir.iterdir())
         opt.zero_grad()

@@ -1,0 +1,271 @@
+"""Memory and time model of one training step, per rank, for ZeRO-Cache and its peers.
+
+    from angelgpt.planner import plan, MACHINES
+    report = plan(cfg, MACHINES["h200"], gpus_per_node=1, nodes=1)
+
+Memory (bytes per rank):
+  GPU: the model's weights in the model dtype (every rank holds its TP/PP shard whole), the gradients
+  in flight (the sub-groups between their backward and their offload, at most a few layers), the
+  device-tier chunks exactly as ZeRO-Cache allocates them (``placement.tier_bytes``), activations by
+  Megatron's formula (Korthikanti et al., 2022: s*b*h*34 per layer without recompute with flash
+  attention, s*b*h*2 per layer plus one layer's full set with full recompute; logits in fp32), and a
+  fixed workspace.
+  Host: the host-tier chunks exactly as allocated, the two pinned upload buffers, and the process.
+  NVMe: the NVMe-tier chunks.
+Time: compute at the machine's achieved dense rate (hardware FLOPs, recompute included); gradient
+D2H hides behind the last micro batch's backward, the CPU update and the H2D upload behind the next
+step's first micro batch forward (the pipelined optimizer), NVMe I/O runs beside the CPU update, the
+DP collectives (reduce-scatter in backward, all-gather in forward) on the network. What is not
+hidden is exposed; the largest exposed term, else compute, is the bottleneck.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+from typing import Dict, List, Optional
+
+from angelgpt.config import Config
+from angelgpt.model.flops import flops_per_iteration, num_params
+from angelgpt.planner.layout import chunk_numels, rank_params
+from angelgpt.zero_cache.placement import STATES, host_room_for_states, plan_tiers, tier_bytes
+
+GIB = 1024 ** 3
+MODEL_BYTES = 2  # bf16 weights and gradients on GPU
+WORKSPACE = 3 * GIB  # CUDA context, cuBLAS workspace, allocator slack
+HOST_PROCESS = 6 * GIB  # the Python process, torch and CUDA libraries, dataset indices
+
+
+@dataclass
+class Machine:
+    """One node's hardware figures; any of them can be overridden on the command line."""
+
+    name: str
+    gpus_per_node: int
+    gpu_mem_gib: float
+    host_mem_gib: float  # per node
+    nvme_gib: float  # per node, free
+    pcie_gbs: float  # per GPU, each direction, pinned
+    nvme_gbs: float  # per node
+    net_gbps: float  # per GPU, collective bus bandwidth inside the node (GB/s)
+    gpu_tflops: float  # achieved dense bf16 rate on transformer layers (hardware FLOPs)
+    cpu_adam_gparams: float  # fused CPU AdamW, G params/s per node
+
+
+MACHINES: Dict[str, Machine] = {
+    # measured on the test machine (shared FACTS): PCIe 55.3 GB/s each way, CPU AdamW 4.2 G params/s
+    # on 16 cores, disk 1.4 GB/s, Megatron GPT at h=8192 630 hardware TFLOP/s with full recompute
+    "h200": Machine("h200", 1, 139.8, 125.0, 55.0, 55.0, 1.4, 150.0, 630.0, 4.2),
+    "h200x8": Machine("h200x8", 8, 139.8, 2000.0, 3000.0, 55.0, 6.0, 150.0, 630.0, 20.0),
+    "h100x8": Machine("h100x8", 8, 79.6, 2000.0, 3000.0, 50.0, 6.0, 150.0, 600.0, 20.0),
+    "a100-80gx8": Machine("a100-80gx8", 8, 79.2, 1000.0, 3000.0, 24.0, 3.0, 100.0, 240.0, 8.0),
+    "a100-40gx8": Machine("a100-40gx8", 8, 39.4, 1000.0, 3000.0, 24.0, 3.0, 100.0, 240.0, 8.0),
+}
+
+
+def activation_bytes(cfg: Config, recompute: Optional[bool] = None) -> int:
+    """Peak activation memory of one pipeline stage for one micro batch (bf16, no sequence parallel)."""
+    m, tp = cfg.model, cfg.parallel.tensor_model_parallel_size
+    s, b, h = m.seq_length, cfg.train.micro_batch_size, m.hidden_size
+    layers = m.num_layers // cfg.parallel.pipeline_model_parallel_size
+    full_layer = s * b * h * (10 + 24 // tp) + s * b * m.ffn_hidden_size * 4 // tp  # flash attention: no s*s
+    recompute = (m.recompute == "full") if recompute is None else recompute
+    stored = layers * 2 * s * b * h + full_layer if recompute else layers * full_layer
+    logits = s * b * cfg.padded_vocab_size() // tp * (MODEL_BYTES + 4 + 4)  # bf16 logits, fp32 copy and grad
+    return stored + logits
+
+
+@dataclass
+class SystemPlan:
+    system: str
+    gpu_bytes: Dict[str, int]
+    host_bytes: Dict[str, int]
+    nvme_bytes: int
+    gpu_total: int
+    host_total: int  # per node
+    fits: bool
+    margin: Dict[str, int]  # capacity minus need, per resource (negative: short)
+    step_s: Dict[str, float]
+    step_time_s: float
+    bottleneck: str
+    rate: Optional[float] = None
+    tflops_per_gpu: float = 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _capacity(hw: Machine, gpus_per_node: int):
+    return hw.gpu_mem_gib * GIB, hw.host_mem_gib * GIB, hw.nvme_gib * GIB, gpus_per_node
+
+
+def _world(cfg: Config, gpus_per_node: int, nodes: int):
+    world = gpus_per_node * nodes
+    dp = cfg.data_parallel_size(world)
+    return world, dp
+
+
+def _finish(system, cfg, hw, gpus_per_node, world, gpu, host, nvme, step, rate=None) -> SystemPlan:
+    gpu_cap, host_cap, nvme_cap, _ = _capacity(hw, gpus_per_node)
+    gpu_total = sum(gpu.values())
+    host_total = sum(host.values()) * gpus_per_node  # ranks of one node share its host memory
+    nvme_total = nvme * gpus_per_node
+    margin = {"gpu": int(gpu_cap - gpu_total), "host": int(host_cap - host_total),
+              "nvme": int(nvme_cap - nvme_total)}
+    exposed = {k: v for k, v in step.items() if k != "compute"}
+    total = step["compute"] + sum(exposed.values())
+    worst = max(exposed, key=exposed.get) if exposed else None
+    bottleneck = worst if worst and exposed[worst] > 0.05 * total else "compute"
+    flops = flops_per_iteration(cfg)
+    return SystemPlan(system, gpu, host, nvme_total, gpu_total, host_total, all(v >= 0 for v in margin.values()),
+                      margin, {k: round(v, 4) for k, v in step.items()}, round(total, 4), bottleneck, rate,
+                      round(flops / total / world / 1e12, 1))
+
+
+def _compute_s(cfg: Config, hw: Machine, world: int) -> float:
+    return flops_per_iteration(cfg, include_recompute=True) / world / (hw.gpu_tflops * 1e12)
+
+
+def rank_tier_bytes(cfg: Config, dp: int, dp_rank: int, rate: float, host_limit: float, use_nvme: bool,
+                    grad_bytes: int = MODEL_BYTES, pp_rank: int = 0):
+    """Chunk sizes, tiers and bytes per tier of one rank's ZeRO-Cache store, as the optimizer places them."""
+    numels = chunk_numels(rank_params(cfg, pp_rank), dp, dp_rank)
+    host_for_states = host_room_for_states(host_limit, numels, grad_bytes, use_nvme)
+    tiers = plan_tiers([n * 4 * STATES for n in numels], float(rate), host_for_states, use_nvme)
+    return numels, tiers, tier_bytes(numels, tiers, grad_bytes)
+
+
+def plan_zero_cache(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int = 1,
+                    rate: Optional[float] = None, nvme: Optional[bool] = None) -> SystemPlan:
+    """ZeRO-Cache on rank 0 of the first pipeline stage (the largest: it holds the embedding)."""
+    world, dp = _world(cfg, gpus_per_node, nodes)
+    zc = cfg.zero_cache
+    if rate is None:
+        rate = zc.prefetch_cache_sub_group_rate
+    use_nvme = bool(zc.nvme_path) if nvme is None else nvme
+    if rate == "auto":
+        return auto_plan(cfg, hw, gpus_per_node, nodes, use_nvme)
+    params = rank_params(cfg, 0)
+    model_numel = sum(p.numel for p in params)
+    per_rank_host = hw.host_mem_gib * GIB / gpus_per_node - HOST_PROCESS
+    host_limit = (zc.host_max_gib * GIB if zc.host_max_gib is not None else per_rank_host)
+    numels, tiers, tb = rank_tier_bytes(cfg, dp, 0, float(rate), host_limit, use_nvme)
+    largest_layer = max(n for n in numels)
+    off_device = [n for n, t in zip(numels, tiers) if t != "device"]
+    gpu = {
+        "weights": model_numel * MODEL_BYTES,
+        "gradients_in_flight": 2 * largest_layer * MODEL_BYTES * max(1, dp),
+        "cached_states": tb["device"],
+        "activations": activation_bytes(cfg),
+        "workspace": WORKSPACE,
+    }
+    host = {
+        "host_states": tb["host"],
+        "upload_buffers": 2 * max(off_device) * MODEL_BYTES if off_device else 0,
+        "process": HOST_PROCESS,
+    }
+    mb = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
+    compute = _compute_s(cfg, hw, world)
+    fwd_first = compute / mb / 4 if cfg.model.recompute == "full" else compute / mb / 3
+    bwd_last = compute / mb - fwd_first
+    host_numel = sum(n for n, t in zip(numels, tiers) if t == "host")
+    nvme_numel = sum(n for n, t in zip(numels, tiers) if t == "nvme")
+    off_numel = host_numel + nvme_numel
+    ranks_per_node = gpus_per_node
+    d2h = off_numel * MODEL_BYTES / (hw.pcie_gbs * 1e9)
+    h2d = off_numel * MODEL_BYTES / (hw.pcie_gbs * 1e9)
+    cpu = off_numel * ranks_per_node / (hw.cpu_adam_gparams * 1e9)
+    nvme_io = 2 * nvme_numel * STATES * 4 * ranks_per_node / (hw.nvme_gbs * 1e9)
+    network = 0.0
+    if dp > 1:  # fp32 reduce-scatter in backward, bf16 all-gather before forward
+        network = (dp - 1) / dp * model_numel * (4 + MODEL_BYTES) / (hw.net_gbps * 1e9)
+    update = max(cpu, nvme_io)  # NVMe reads and writes are double buffered beside the CPU update
+    exposed_update = max(0.0, update - fwd_first) if zc.pipeline_optimizer else update
+    step = {
+        "compute": compute,
+        "pcie_d2h": max(0.0, d2h - bwd_last),
+        "cpu_optimizer": exposed_update if cpu >= nvme_io else 0.0,
+        "nvme_io": exposed_update if nvme_io > cpu else 0.0,
+        # pipelined, only the last chunk's upload waits; otherwise every upload does
+        "pcie_h2d": h2d / max(1, len(off_device)) if zc.pipeline_optimizer else h2d,
+        "network": max(0.0, network - compute / 2),
+    }
+    return _finish("zero_cache", cfg, hw, gpus_per_node, world, gpu, host,
+                   tb.get("nvme", 0), step, float(rate))
+
+
+def auto_plan(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int = 1, nvme: bool = False) -> SystemPlan:
+    """The largest prefetch_cache_sub_group_rate (in steps of 0.05) that fits; states on GPU are updated
+    30x faster than on the CPU and cross no PCIe, so more on the GPU is faster while it fits."""
+    best = None
+    for i in range(20, -1, -1):
+        p = plan_zero_cache(cfg, hw, gpus_per_node, nodes, rate=i / 20, nvme=nvme)
+        best = best or p
+        if p.fits:
+            return p
+    return best if best.rate == 0.0 else plan_zero_cache(cfg, hw, gpus_per_node, nodes, rate=0.0, nvme=nvme)
+
+
+def plan_megatron(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int = 1) -> SystemPlan:
+    """Megatron's distributed optimizer: bf16 weights, fp32 main grads, fp32 master + moments sharded over DP."""
+    world, dp = _world(cfg, gpus_per_node, nodes)
+    n = sum(p.numel for p in rank_params(cfg, 0))
+    gpu = {"weights": n * MODEL_BYTES, "main_grads": n * 4, "optimizer_states": -(-n * 12 // dp),
+           "activations": activation_bytes(cfg), "workspace": WORKSPACE}
+    host = {"process": HOST_PROCESS}
+    step = {"compute": _compute_s(cfg, hw, world),
+            "gpu_optimizer": n / dp / 120e9,
+            "network": (dp - 1) / dp * n * (4 + MODEL_BYTES) / (hw.net_gbps * 1e9) if dp > 1 else 0.0}
+    return _finish("megatron", cfg, hw, gpus_per_node, world, gpu, host, 0, step)
+
+
+def plan_zero3_offload(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int = 1) -> SystemPlan:
+    """ZeRO-3 with parameter and optimizer offload to CPU: 16-bit weights and fp32 grads, master and
+    moments on the host, weights fetched over PCIe for every forward and backward, the CPU update after
+    backward, not overlapped."""
+    world, dp = _world(cfg, gpus_per_node, nodes)
+    n = sum(p.numel for p in rank_params(cfg, 0))
+    shard = -(-n // dp)
+    largest = max(p.numel for p in rank_params(cfg, 0) if p.sub_group == 1) * 12  # one layer gathered
+    gpu = {"gathered_weights": 2 * largest * MODEL_BYTES, "activations": activation_bytes(cfg),
+           "workspace": WORKSPACE}
+    host = {"host_states": shard * (MODEL_BYTES + 4 + 4 * STATES), "process": HOST_PROCESS}
+    mb = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
+    fetch = (3 if cfg.model.recompute == "full" else 2) * mb * n * MODEL_BYTES / (hw.pcie_gbs * 1e9)
+    compute = _compute_s(cfg, hw, world)
+    step = {"compute": compute,
+            "pcie_h2d": max(0.0, fetch - compute),
+            "pcie_d2h": shard * 4 / (hw.pcie_gbs * 1e9),
+            "cpu_optimizer": shard * gpus_per_node / (hw.cpu_adam_gparams * 1e9),
+            "network": (dp - 1) / dp * n * (4 + 2 * MODEL_BYTES) / (hw.net_gbps * 1e9) if dp > 1 else 0.0}
+    return _finish("zero3_offload", cfg, hw, gpus_per_node, world, gpu, host, 0, step)
+
+
+def plan(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int = 1) -> Dict[str, SystemPlan]:
+    return {"zero_cache": plan_zero_cache(cfg, hw, gpus_per_node, nodes),
+            "megatron": plan_megatron(cfg, hw, gpus_per_node, nodes),
+            "zero3_offload": plan_zero3_offload(cfg, hw, gpus_per_node, nodes)}
+
+
+def machine_from(name: Optional[str], **overrides) -> Machine:
+    hw = MACHINES[name or "h200"]
+    return replace(hw, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def auto_rate(cfg: Config, device, dp_size: int) -> float:
+    """`prefetch_cache_sub_group_rate: auto` in a worker: the planner's choice for this GPU and host."""
+    if device.type != "cuda":
+        return 1.0
+    import torch
+
+    from angelgpt.zero_cache.tiers import mem_available_bytes
+
+    _, total = torch.cuda.mem_get_info(device)
+    local = int(__import__("os").environ.get("LOCAL_WORLD_SIZE", "1"))
+    hw = replace(MACHINES["h200"], gpus_per_node=local, gpu_mem_gib=total / GIB,
+                 host_mem_gib=(mem_available_bytes() + HOST_PROCESS * local) / GIB)
+    if cfg.zero_cache.host_max_gib is not None:
+        hw = replace(hw, host_mem_gib=(cfg.zero_cache.host_max_gib * GIB + HOST_PROCESS) * local / GIB)
+    world = local * max(1, int(__import__("os").environ.get("WORLD_SIZE", "1")) // local)
+    p = auto_plan(cfg, hw, local, world // local, bool(cfg.zero_cache.nvme_path))
+    return p.rate if math.isfinite(p.rate) else 0.0

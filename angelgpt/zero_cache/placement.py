@@ -1,0 +1,63 @@
+"""Placement of ZeRO-Cache chunks over tiers, and the bytes each tier holds; no torch here, so the
+planner (`angelgpt plan`) computes exactly what the optimizer allocates without building anything."""
+
+from __future__ import annotations
+
+from typing import Dict, List
+
+STATES = 3  # fp32 master weights, exp_avg, exp_avg_sq
+
+
+def partition(numels: List[int], ranks: int) -> List[int]:
+    """Owner rank per parameter: largest first onto the least-loaded rank (deterministic)."""
+    load = [0] * ranks
+    owner = [0] * len(numels)
+    for i in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
+        r = min(range(ranks), key=lambda r: (load[r], r))
+        owner[i] = r
+        load[r] += numels[i]
+    return owner
+
+
+def plan_tiers(chunk_bytes: List[int], rate: float, host_limit: int, nvme_enabled: bool) -> List[str]:
+    """Tier per chunk, chunks in forward order: device for the first `rate` of the bytes, then host, then NVMe."""
+    total = sum(chunk_bytes)
+    tiers, on_device, on_host = [], 0, 0
+    for b in chunk_bytes:
+        if rate >= 1.0 or (rate > 0.0 and on_device + b <= rate * total + 0.5 * b):
+            tiers.append("device")
+            on_device += b
+        elif not nvme_enabled or on_host + b <= host_limit:
+            tiers.append("host")
+            on_host += b
+        else:
+            tiers.append("nvme")
+    return tiers
+
+
+def tier_bytes(numels: List[int], tiers: List[str], grad_bytes: int) -> Dict[str, int]:
+    """Bytes each tier holds for chunks of these sizes and tiers: fp32 states where the chunk lives, its
+    gradient on the device (device chunks) or host, one fp32 update scratch per updating tier, NVMe
+    staging (two buffers of the largest NVMe chunk's states) on the host. The planner uses this too."""
+    need = {"device": 0, "host": 0, "nvme": 0}
+    for n, t in zip(numels, tiers):
+        need[t] += STATES * 4 * n
+        need["device" if t == "device" else "host"] += grad_bytes * n
+    for tier, members in (("device", ("device",)), ("host", ("host", "nvme"))):
+        sizes = [n for n, t in zip(numels, tiers) if t in members]
+        if sizes:
+            need[tier] += 4 * max(sizes)  # fp32 gradient scratch of the chunk being updated
+    nvme = [n for n, t in zip(numels, tiers) if t == "nvme"]
+    if nvme:
+        need["host"] += 2 * STATES * 4 * max(nvme)
+    return need
+
+
+def host_room_for_states(host_limit: float, numels: List[int], grad_bytes: int, nvme_enabled: bool) -> float:
+    """Host bytes left for chunk states once the host's fixed share is set aside: every off-device
+    gradient (at most all of them), the update scratch and, with NVMe, its two staging buffers."""
+    largest = max(numels, default=0)
+    fixed = sum(n * grad_bytes for n in numels) + 4 * largest
+    if nvme_enabled:
+        fixed += 2 * STATES * 4 * largest
+    return host_limit - fixed
