@@ -157,6 +157,10 @@ class ZeroCacheConfig:
     """Pipeline the optimizer update with gradient offload and parameter upload."""
     prefetch_cache_sub_group_rate: Union[float, str] = 0.0
     """Fraction of model states kept on GPU (0.0 to 1.0), or 'auto' to take the planner's choice."""
+    offload_params: Union[bool, str] = "auto"
+    """Keep the model-dtype weights of layers whose states are off the GPU in pinned host memory and
+    fetch each layer just before it runs, releasing it after (ZeRO-3 parameter offload, prefetching the
+    next layer); 'auto' turns it on with full activation recompute, which is when it saves GPU memory."""
     max_contigous_params_size: int = -1
     """Bytes of GPU memory for gathered/prefetched parameters; -1 means no limit."""
     prefetch_bucket_size: int = 50_000_000
@@ -184,6 +188,8 @@ class ZeroCacheConfig:
         else:
             _require(0.0 <= rate <= 1.0, f"zero_cache.prefetch_cache_sub_group_rate must be in [0, 1] or "
                                          f"'auto', got {rate}")
+        _require(self.offload_params in (True, False, "auto"),
+                 f"zero_cache.offload_params must be true, false or 'auto', got '{self.offload_params}'")
         _require(self.max_contigous_params_size == -1 or self.max_contigous_params_size > 0,
                  f"zero_cache.max_contigous_params_size must be -1 or > 0, got {self.max_contigous_params_size}")
         _positive("zero_cache", prefetch_bucket_size=self.prefetch_bucket_size,
@@ -366,6 +372,9 @@ class Config:
             _require(self.parallel.pipeline_model_parallel_size == 1,
                      "parallel.pipeline_model_parallel_size > 1 needs CUDA (Megatron's pipeline schedules "
                      "allocate on CUDA)")
+            _require(self.model.recompute == "none",
+                     "model.recompute 'full' needs CUDA (Megatron's activation checkpointing saves the CUDA RNG "
+                     "state); use 'none' on CPU")
             _require(self.model.position_embedding_type != "rope",
                      "model.position_embedding_type 'rope' needs CUDA (Megatron's RoPE allocates on CUDA); "
                      "use 'learned_absolute' on CPU")

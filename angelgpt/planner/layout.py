@@ -9,7 +9,7 @@ stage, the output layer on the last (its own weight when untied or when PP > 1).
 
 from __future__ import annotations
 
-from typing import List, NamedTuple
+from typing import List, NamedTuple, Tuple
 
 from angelgpt.config import Config
 
@@ -61,15 +61,16 @@ def rank_params(cfg: Config, pp_rank: int = 0) -> List[Param]:
     return out
 
 
-def chunk_numels(params: List[Param], dp_size: int, dp_rank: int) -> List[int]:
-    """Sizes of the chunks this DP rank owns, in the optimizer's order (sub-group, decay before no-decay)."""
+def chunk_numels(params: List[Param], dp_size: int, dp_rank: int) -> List[Tuple[int, int]]:
+    """(sub-group position, size) of the chunks this DP rank owns, in the optimizer's order (sub-group,
+    decay before no-decay); positions count the sub-groups this pipeline stage has, from 0."""
     from angelgpt.zero_cache.placement import partition
 
     owners = partition([p.numel for p in params], dp_size)
-    sizes = []
-    for g in sorted({p.sub_group for p in params}):
+    chunks = []
+    for pos, g in enumerate(sorted({p.sub_group for p in params})):
         for decay in (True, False):
             n = sum(p.numel for p, o in zip(params, owners) if p.sub_group == g and p.decay == decay and o == dp_rank)
             if n:
-                sizes.append(n)
-    return sizes
+                chunks.append((pos, n))
+    return chunks

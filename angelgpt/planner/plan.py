@@ -28,7 +28,7 @@ from typing import Dict, List, Optional
 from angelgpt.config import Config
 from angelgpt.model.flops import flops_per_iteration, num_params
 from angelgpt.planner.layout import chunk_numels, rank_params
-from angelgpt.zero_cache.placement import STATES, host_room_for_states, plan_tiers, tier_bytes
+from angelgpt.zero_cache.placement import STATES, place
 
 GIB = 1024 ** 3
 MODEL_BYTES = 2  # bf16 weights and gradients on GPU
@@ -126,13 +126,23 @@ def _compute_s(cfg: Config, hw: Machine, world: int) -> float:
     return flops_per_iteration(cfg, include_recompute=True) / world / (hw.gpu_tflops * 1e12)
 
 
+def offload_params_on(cfg: Config) -> bool:
+    op = cfg.zero_cache.offload_params
+    return op if op != "auto" else cfg.model.recompute == "full"
+
+
 def rank_tier_bytes(cfg: Config, dp: int, dp_rank: int, rate: float, host_limit: float, use_nvme: bool,
                     grad_bytes: int = MODEL_BYTES, pp_rank: int = 0):
-    """Chunk sizes, tiers and bytes per tier of one rank's ZeRO-Cache store, as the optimizer places them."""
-    numels = chunk_numels(rank_params(cfg, pp_rank), dp, dp_rank)
-    host_for_states = host_room_for_states(host_limit, numels, grad_bytes, use_nvme)
-    tiers = plan_tiers([n * 4 * STATES for n in numels], float(rate), host_for_states, use_nvme)
-    return numels, tiers, tier_bytes(numels, tiers, grad_bytes)
+    """Chunk sizes, tiers and bytes per tier of one rank's ZeRO-Cache store, as the optimizer places them,
+    and the sizes of the chunks whose weights are offloaded (held in pinned host memory, not on the GPU)."""
+    params = rank_params(cfg, pp_rank)
+    chunks = chunk_numels(params, dp, dp_rank)
+    n_groups = len({p.sub_group for p in params})
+    groups, numels = [g for g, _ in chunks], [n for _, n in chunks]
+    tiers, flags, need = place(groups, numels, n_groups, float(rate), host_limit, use_nvme, grad_bytes,
+                               offload_params_on(cfg))
+    offloaded = [n for g, n in zip(groups, numels) if flags[g]]
+    return numels, tiers, need, offloaded
 
 
 def plan_zero_cache(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int = 1,
@@ -149,19 +159,26 @@ def plan_zero_cache(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int
     model_numel = sum(p.numel for p in params)
     per_rank_host = hw.host_mem_gib * GIB / gpus_per_node - HOST_PROCESS
     host_limit = (zc.host_max_gib * GIB if zc.host_max_gib is not None else per_rank_host)
-    numels, tiers, tb = rank_tier_bytes(cfg, dp, 0, float(rate), host_limit, use_nvme)
+    numels, tiers, tb, offloaded = rank_tier_bytes(cfg, dp, 0, float(rate), host_limit, use_nvme)
     largest_layer = max(n for n in numels)
     off_device = [n for n, t in zip(numels, tiers) if t != "device"]
+    first_layer = min((p.sub_group for p in params if 0 < p.sub_group <= cfg.model.num_layers), default=None)
+    layer_numel = sum(p.numel for p in params if p.sub_group == first_layer)
+    resident = model_numel - sum(offloaded) * dp
     gpu = {
-        "weights": model_numel * MODEL_BYTES,
+        # resident weights, plus offloaded layers being used, prefetched and not yet freed by autograd
+        "weights": resident * MODEL_BYTES + (3 * layer_numel * MODEL_BYTES if offloaded else 0),
         "gradients_in_flight": 2 * largest_layer * MODEL_BYTES * max(1, dp),
         "cached_states": tb["device"],
         "activations": activation_bytes(cfg),
         "workspace": WORKSPACE,
     }
+    uploads = [n for n, t in zip(numels, tiers) if t != "device"]
+    for n in offloaded:
+        uploads.remove(n)
     host = {
         "host_states": tb["host"],
-        "upload_buffers": 2 * max(off_device) * MODEL_BYTES if off_device else 0,
+        "upload_buffers": 2 * max(uploads) * MODEL_BYTES if uploads else 0,
         "process": HOST_PROCESS,
     }
     mb = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)

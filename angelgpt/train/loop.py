@@ -143,6 +143,15 @@ class Trainer:
             self.iteration, self.consumed = checkpoint.load(root, self.model, self.optimizer, self.scheduler)
             print_rank_0(f"resumed from {root} at iteration {self.iteration}")
 
+    def _optimizer_profile(self) -> dict:
+        """ZeRO-Cache's transfer and optimizer times of the last iteration, when profiling is on."""
+        record = getattr(self.optimizer, "profile_record", lambda: None)()
+        if not record:
+            return {}
+        if self.owns_log:
+            print(self.optimizer.profile.line(), flush=True)
+        return {"zero_cache_profile": record}
+
     def save(self) -> None:
         from angelgpt.config import to_dict
 
@@ -207,6 +216,7 @@ class Trainer:
                     "mem_gpu_gib": gpu_memory_gib(),
                     "mem_host_gib": host_memory_gib(),
                     "consumed_samples": self.consumed,
+                    **self._optimizer_profile(),
                 }, cfg.train.train_iters, self.consumed, self.skipped)
                 window_start, window_iters = time.perf_counter(), 0
             if cfg.checkpoint.save and (last or (cfg.checkpoint.save_interval

@@ -65,7 +65,10 @@ class MetricsWriter:
         if self.tb:
             step = record["iteration"]
             for key, value in record.items():
-                if key != "iteration" and value is not None:
+                if isinstance(value, dict):
+                    for sub, v in value.items():
+                        self.tb.add_scalar(f"{key}/{sub}", v, step)
+                elif key != "iteration" and value is not None:
                     self.tb.add_scalar(f"train/{key}", value, step)
             self.tb.flush()
 

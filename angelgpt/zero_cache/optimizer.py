@@ -30,6 +30,7 @@ One iteration, pipelined (``pipeline_optimizer: true``):
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 import re
 import time
@@ -44,9 +45,10 @@ from megatron.core import parallel_state
 from angelgpt.config import Config
 from angelgpt.train.optim import _no_weight_decay, clip_coefficient
 from angelgpt.zero_cache.pipeline import Profile, Streams
-from angelgpt.zero_cache.placement import STATES, host_room_for_states, partition, plan_tiers, tier_bytes
+from angelgpt.zero_cache.placement import STATES, partition, place, tier_bytes
 from angelgpt.zero_cache.tiers import DeviceTier, HostTier, NVMeTier, available_bytes, check_capacity
 
+_nullcontext = contextlib.nullcontext
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
@@ -75,15 +77,17 @@ class Chunk:
     tier: str = "host"
     numel: int = 0
     offsets: List[int] = field(default_factory=list)
+    shapes: List[torch.Size] = field(default_factory=list)  # the params' shapes (a released param is empty)
     states: Optional[torch.Tensor] = None  # [3, numel] fp32: master, exp_avg, exp_avg_sq (device/host tiers)
     file: Optional[object] = None  # NVMe tier
     grad: Optional[torch.Tensor] = None  # [numel], model dtype: reduced and owned (device tier, else host)
     grad_ready: Optional[object] = None  # CUDA event: the gradient's D2H copy is done
+    weights: Optional[torch.Tensor] = None  # [numel] model dtype, pinned host: offloaded weights (offload_params)
     step: Optional[torch.Tensor] = None
 
     def views(self, flat: torch.Tensor):
-        for p, off in zip(self.params, self.offsets):
-            yield p, flat[off:off + p.numel()].view_as(p)
+        for p, off, shape in zip(self.params, self.offsets, self.shapes):
+            yield p, flat[off:off + shape.numel()].view(shape)
 
 
 class ZeroCacheOptimizer:
@@ -100,6 +104,7 @@ class ZeroCacheOptimizer:
         self.pipelined = zc.pipeline_optimizer
         self.max_reduce_events = zc.max_param_reduce_events
         self.num_microbatches = cfg.train.global_batch_size // (cfg.train.micro_batch_size * self.dp_size)
+        self.recompute = cfg.model.recompute == "full"
         rate = zc.prefetch_cache_sub_group_rate
         if rate == "auto":
             from angelgpt.planner import auto_rate
@@ -109,6 +114,7 @@ class ZeroCacheOptimizer:
 
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]
+        self.shape = {id(p): p.shape for p in self.params}
         owners = partition([p.numel() for p in self.params], self.dp_size)
         self.owner = {id(p): r for p, r in zip(self.params, owners)}
         n_groups = cfg.model.num_layers + 2
@@ -138,6 +144,7 @@ class ZeroCacheOptimizer:
                     off = 0
                     for p in mine:
                         c.offsets.append(off)
+                        c.shapes.append(p.shape)
                         off += p.numel()
                     c.numel = off
                     self.chunks.append(c)
@@ -148,6 +155,7 @@ class ZeroCacheOptimizer:
         self.streams = Streams(device)
         self.profile = Profile(device, enabled=zc.is_communication_time_profiling)
         self._allocate()
+        self._release_offloaded()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero-cache-update")
         self._prefetcher = ThreadPoolExecutor(max_workers=1) if self.nvme else None
         self._pending: Dict[int, Future] = {}  # sub-group -> its update in flight (events to wait on)
@@ -161,12 +169,18 @@ class ZeroCacheOptimizer:
         avail = available_bytes(self.device, zc.host_max_gib, zc.nvme_path, zc.nvme_max_gib)
         grad_bytes = self.params[0].element_size()
         numels = [c.numel for c in self.chunks]
-        state_bytes = [n * 4 * STATES for n in numels]
-        host_for_states = host_room_for_states(avail["host"], numels, grad_bytes, bool(zc.nvme_path))
-        tiers = plan_tiers(state_bytes, self.rate, host_for_states, bool(zc.nvme_path))
+        tiers, flags, needed = place([c.group for c in self.chunks], numels, len(self.sub_groups), self.rate,
+                                     avail["host"], bool(zc.nvme_path), grad_bytes, self._offload_params_on(zc))
         for c, t in zip(self.chunks, tiers):
             c.tier = t
-        needed = tier_bytes(numels, tiers, grad_bytes)
+        if self.dp_size > 1:  # a layer is fetched (and all-gathered) on every rank or on none
+            t = torch.tensor([float(f) for f in flags], device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+            if [bool(v) for v in t.tolist()] != flags:
+                flags = [bool(v) for v in t.tolist()]
+                needed = tier_bytes(numels, tiers, grad_bytes)
+                needed["host"] += grad_bytes * sum(c.numel for c in self.chunks if flags[c.group])
+        self.partitioned = flags
         if not zc.nvme_path:
             needed.pop("nvme")
         check_capacity(needed, avail)
@@ -184,7 +198,7 @@ class ZeroCacheOptimizer:
         nvme_sizes = [c.numel for c in self.chunks if c.tier == "nvme"]
         if nvme_sizes:
             self.tiers["host"].bytes += self.nvme.reserve_staging(STATES * max(nvme_sizes))
-        upload = [c.numel for c in self.chunks if c.tier != "device"]
+        upload = [c.numel for c in self.chunks if c.tier != "device" and not self.partitioned[c.group]]
         # two pinned buffers in the model dtype carry updated weights to the device (double buffered)
         self._upload = [torch.empty(max(upload), dtype=self.model_dtype, pin_memory=True)
                         for _ in range(2)] if upload and on_cuda else []
@@ -197,6 +211,9 @@ class ZeroCacheOptimizer:
             # the owned weights reach the chunk through its gradient buffer (pinned when it is on the host)
             for p, view in c.views(c.grad):
                 view.copy_(p.detach())
+            if self.partitioned[c.group]:
+                c.weights = self.tiers["host"].allocate(c.numel, self.model_dtype, pinned=True)
+                c.weights.copy_(c.grad)
             if c.tier == "nvme":
                 c.file = self.nvme.create(c.key, STATES * c.numel)
                 staging = self.nvme.staging(0, STATES * c.numel).zero_()
@@ -210,6 +227,9 @@ class ZeroCacheOptimizer:
         """Bytes each tier actually holds (chunk states, owned gradients, scratch and staging)."""
         return {name: tier.bytes for name, tier in self.tiers.items()}
 
+    def _n(self, p: torch.nn.Parameter) -> int:
+        return self.shape[id(p)].numel()
+
     def _owner_layout(self, group: List[torch.nn.Parameter]):
         """Per rank, its owned params in this sub-group and the size of a padded flat segment."""
         per_rank: List[List[torch.nn.Parameter]] = [[] for _ in range(self.dp_size)]
@@ -217,6 +237,118 @@ class ZeroCacheOptimizer:
             per_rank[self.owner[id(p)]].append(p)
         seg = max(sum(p.numel() for p in ps) for ps in per_rank)
         return per_rank, seg
+
+    # -- offloaded weights (offload_params) -------------------------------------------------------
+    def _release_offloaded(self) -> None:
+        """Transformer layers whose states are all off the device keep their weights on the host and
+        are fetched before each use; the embedding and output stay (they run at both ends)."""
+        self._live: Dict[int, Tuple[torch.Tensor, object]] = {}
+        for gi, flag in enumerate(self.partitioned):
+            if flag:
+                self._release(gi)
+
+    def _offload_params_on(self, zc) -> bool:
+        return zc.offload_params if zc.offload_params != "auto" else self.recompute
+
+    def _release(self, gi: int) -> None:
+        """Drops a fetched layer's weights from the device (autograd may hold them until its backward)."""
+        self._live.pop(gi, None)
+        for p in self.sub_groups[gi]:
+            p.data = torch.empty(0, dtype=self.model_dtype, device=self.device)
+
+    def _fetch(self, gi: int) -> None:
+        """Starts bringing layer gi's weights to the device: H2D of the owned pieces, all-gather over DP."""
+        if gi in self._live:
+            return
+        self._complete(gi)  # its latest update has reached the host copy
+        per_rank, seg = self.layouts[gi]
+        where = {id(p): (c, off) for c in self.chunks_of[gi] for p, off in zip(c.params, c.offsets)}
+        t0 = self.profile.start("fetch", self.streams.h2d)
+        if self.streams.cuda:
+            with torch.cuda.stream(self.streams.h2d):
+                full = torch.empty(self.dp_size * seg, dtype=self.model_dtype, device=self.device)
+        else:
+            full = torch.empty(self.dp_size * seg, dtype=self.model_dtype, device=self.device)
+        mine = full[self.dp_rank * seg:(self.dp_rank + 1) * seg]
+        off = 0
+        stream_ctx = torch.cuda.stream(self.streams.h2d) if self.streams.cuda else _nullcontext()
+        with stream_ctx:
+            for p in per_rank[self.dp_rank]:
+                c, coff = where[id(p)]
+                mine[off:off + self._n(p)].copy_(c.weights[coff:coff + self._n(p)], non_blocking=True)
+                off += self._n(p)
+            ready = self.streams.h2d.record_event() if self.streams.cuda else None
+        self.profile.stop("fetch", t0, self.streams.h2d)
+        self.profile.add_bytes("fetch", off * full.element_size())
+        if self.dp_size > 1:
+            if ready is not None:
+                torch.cuda.current_stream(self.device).wait_event(ready)
+                ready = None
+            t1 = self.profile.start("all_gather")
+            if self.use_reduce_scatter:
+                dist.all_gather_into_tensor(full, mine.clone(), group=self.group)
+            else:
+                parts = list(full.split(seg))
+                dist.all_gather(parts, mine.clone(), group=self.group)
+            self.profile.stop("all_gather", t1)
+        for r, ps in enumerate(per_rank):
+            off = r * seg
+            for p in ps:
+                p.data = full[off:off + self._n(p)].view(self.shape[id(p)])
+                off += self._n(p)
+        self._live[gi] = (full, ready)
+
+    def _use(self, gi: int) -> None:
+        """Layer gi is about to run: its weights are fetched (waited for on this stream)."""
+        self._fetch(gi)
+        full, ready = self._live[gi]
+        if ready is not None:
+            t0 = time.perf_counter()
+            torch.cuda.current_stream(self.device).wait_event(ready)
+            full.record_stream(torch.cuda.current_stream(self.device))
+            self._live[gi] = (full, None)
+            self.profile.exposed("wait_fetch", time.perf_counter() - t0)
+
+    def _before_layer(self, gis) -> None:
+        for gi in gis:
+            if self.partitioned[gi]:
+                self._use(gi)
+                # prefetch: the next layer in forward order, or the previous one while backward recomputes
+                step = -1 if (torch.is_grad_enabled() and self.recompute) else 1
+                nxt = gi + step
+                if 0 <= nxt < len(self.partitioned) and self.partitioned[nxt]:
+                    self._fetch(nxt)
+            else:
+                self._complete(gi)
+
+    def _after_layer(self, gis) -> None:
+        if torch.is_grad_enabled():
+            return  # autograd keeps the weights for backward: released once the layer's gradients are in
+        for gi in gis:
+            if self.partitioned[gi]:
+                self._release(gi)
+
+    @contextlib.contextmanager
+    def materialized(self):
+        """Offloaded weights readable as ordinary tensors (host memory), for checkpoint save and load."""
+        self.wait_all()
+        held = [gi for gi, f in enumerate(self.partitioned) if f]
+        for gi in held:
+            if self.dp_size == 1:
+                for c in self.chunks_of[gi]:
+                    for p, view in c.views(c.weights):
+                        p.data = view
+            else:
+                self._fetch(gi)
+                self._use(gi)
+                for p in self.sub_groups[gi]:
+                    p.data = p.data.cpu()
+                self._live.pop(gi, None)
+        try:
+            yield
+        finally:
+            for gi in held:
+                self._release(gi)
 
     # -- hooks -----------------------------------------------------------------------------------
     def _install_hooks(self, model: torch.nn.Module, named) -> None:
@@ -228,14 +360,14 @@ class ZeroCacheOptimizer:
         for mod_name, gis in waits.items():
             gis = sorted(gis)
 
-            def pre_hook(module, args, gis=gis):
-                for gi in gis:
-                    self._complete(gi)
-
-            self._handles.append(modules[mod_name].register_forward_pre_hook(pre_hook))
+            self._handles.append(modules[mod_name].register_forward_pre_hook(
+                lambda module, args, gis=gis: self._before_layer(gis)))
+            self._handles.append(modules[mod_name].register_forward_hook(
+                lambda module, args, out, gis=gis: self._after_layer(gis)))
 
     def _reset_backward_state(self) -> None:
         self._accumulated = collections.Counter()
+        self._seen = collections.Counter()
         self._left = [len(g) for g in self.sub_groups]
         self._offloaded = [False] * len(self.sub_groups)
         self._sq = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -243,13 +375,17 @@ class ZeroCacheOptimizer:
 
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         """Post-accumulate hook: a sub-group whose gradients are final is reduced and offloaded now."""
-        self._accumulated[id(p)] += 1
-        if self._accumulated[id(p)] != self.num_microbatches:
-            return
         gi = self.group_of[id(p)]
-        self._left[gi] -= 1
-        if self._left[gi] == 0:
-            self._offload(gi)
+        self._accumulated[id(p)] += 1
+        if self._accumulated[id(p)] == self.num_microbatches:
+            self._left[gi] -= 1
+            if self._left[gi] == 0:
+                self._offload(gi)
+        if self.partitioned[gi]:  # this micro batch is done with the layer's weights
+            self._seen[gi] += 1
+            if self._seen[gi] == len(self.sub_groups[gi]):
+                self._seen[gi] = 0
+                self._release(gi)
 
     # -- gradients: reduce to the owner, offload, release -----------------------------------------
     @torch.no_grad()
@@ -260,9 +396,11 @@ class ZeroCacheOptimizer:
         self._complete(gi)  # never overwrite a chunk's gradient before its last update read it
         group = self.sub_groups[gi]
         if self.dp_size == 1:
-            self._to_owner(gi, [(p, p.grad if p.grad is not None else torch.zeros_like(p)) for p in group])
+            self._to_owner(gi, [(p, p.grad if p.grad is not None else
+                                 torch.zeros(self.shape[id(p)], dtype=self.model_dtype, device=self.device))
+                                for p in group])
             for p in group:
-                self._release(p)
+                self._drop_grad(p)
             return
         per_rank, seg = self.layouts[gi]
         flat = torch.zeros(self.dp_size * seg, dtype=torch.float32, device=self.device)
@@ -270,10 +408,10 @@ class ZeroCacheOptimizer:
             off = r * seg
             for p in ps:
                 if p.grad is not None:
-                    flat[off:off + p.numel()].copy_(p.grad.reshape(-1))
-                off += p.numel()
+                    flat[off:off + self._n(p)].copy_(p.grad.reshape(-1))
+                off += self._n(p)
         for p in group:
-            self._release(p)
+            self._drop_grad(p)
         t0 = self.profile.start("reduce_scatter")
         if self.use_reduce_scatter:
             mine = torch.empty(seg, dtype=torch.float32, device=self.device)
@@ -293,8 +431,8 @@ class ZeroCacheOptimizer:
         per_rank, _ = self.layouts[gi]
         grads, off = [], 0
         for p in per_rank[self.dp_rank]:
-            grads.append((p, mine[off:off + p.numel()].view_as(p)))
-            off += p.numel()
+            grads.append((p, mine[off:off + self._n(p)].view(self.shape[id(p)])))
+            off += self._n(p)
         self._to_owner(gi, grads)
 
     def _to_owner(self, gi: int, grads) -> None:
@@ -308,7 +446,7 @@ class ZeroCacheOptimizer:
         if not self.streams.cuda:
             for p, g in grads:
                 c, off = where[id(p)]
-                c.grad[off:off + p.numel()].copy_(g.reshape(-1))
+                c.grad[off:off + self._n(p)].copy_(g.reshape(-1))
             return
         produced = torch.cuda.current_stream(self.device).record_event()
         t0 = self.profile.start("d2h", self.streams.d2h)
@@ -316,14 +454,14 @@ class ZeroCacheOptimizer:
             self.streams.d2h.wait_event(produced)
             for p, g in grads:
                 c, off = where[id(p)]
-                c.grad[off:off + p.numel()].copy_(g.reshape(-1), non_blocking=True)
+                c.grad[off:off + self._n(p)].copy_(g.reshape(-1), non_blocking=True)
                 g.record_stream(self.streams.d2h)
                 self.profile.add_bytes("d2h", g.numel() * g.element_size() if c.tier != "device" else 0)
             for c in self.chunks_of[gi]:
                 c.grad_ready = self.streams.d2h.record_event()
         self.profile.stop("d2h", t0, self.streams.d2h)
 
-    def _release(self, p: torch.nn.Parameter) -> None:
+    def _drop_grad(self, p: torch.nn.Parameter) -> None:
         if p.grad is not None and self.streams.cuda:
             p.grad.record_stream(self.streams.d2h)
         p.grad = None
@@ -356,6 +494,10 @@ class ZeroCacheOptimizer:
         t0 = time.perf_counter()
         self._flush()
         norm = self._global_norm()
+        for gi in list(self._live):  # a fetched copy would be stale after this update
+            self._release(gi)
+        if self.streams.cuda:
+            self.streams.h2d.synchronize()  # no fetch still reads a host copy the update will overwrite
         self.profile.exposed("step", time.perf_counter() - t0)
         self.profile.end_iteration()
         if not math.isfinite(norm):
@@ -373,7 +515,7 @@ class ZeroCacheOptimizer:
                     self._update_on_device(c, coef, hyper)
             if any(c.tier != "device" for c in self.chunks_of[gi]):
                 self._pending[gi] = self._worker.submit(self._update_off_device, gi, coef, hyper, after_backward)
-            if self.dp_size > 1:
+            if self.dp_size > 1 and not self.partitioned[gi]:
                 self._needs_gather.add(gi)
         if not self.pipelined:
             t0 = time.perf_counter()
@@ -417,7 +559,10 @@ class ZeroCacheOptimizer:
             t1 = time.perf_counter()
             self._adamw(c, states, grad, hyper)
             self.profile.busy("cpu_optimizer", time.perf_counter() - t1)
-            events.append(self._upload_master(c, states[0], after_backward))
+            if c.weights is not None:
+                c.weights.copy_(states[0])  # fetched from here before the layer next runs
+            else:
+                events.append(self._upload_master(c, states[0], after_backward))
             if c.tier == "nvme":
                 t2 = time.perf_counter()
                 NVMeTier.write(c.file, states.reshape(-1))
@@ -546,7 +691,7 @@ class ZeroCacheOptimizer:
                 replica = model_ten.replica_id
                 replica = (*replica[:-1], 0) if isinstance(replica, tuple) else 0  # the owner is the main replica
                 for k, name in enumerate(("master", "exp_avg", "exp_avg_sq")):
-                    view = flat[k][c.offsets[i]:c.offsets[i] + p.numel()].view_as(p)
+                    view = flat[k][c.offsets[i]:c.offsets[i] + self._n(p)].view(self.shape[id(p)])
                     ten = make_sharded_optimizer_tensor(model_ten, view,
                                                         prefix=f"optimizer.zero_cache.{name}")
                     state[f"{name}.{self._model_key[id(p)]}"] = replace(ten, replica_id=replica)
@@ -563,17 +708,21 @@ class ZeroCacheOptimizer:
             for p, off in zip(c.params, c.offsets):
                 key = self._model_key[id(p)]
                 for k, name in enumerate(("master", "exp_avg", "exp_avg_sq")):
-                    flat[k][off:off + p.numel()].copy_(tensors[f"{name}.{key}"].reshape(-1))
+                    flat[k][off:off + self._n(p)].copy_(tensors[f"{name}.{key}"].reshape(-1))
             c.step.fill_(step)
             if c.tier == "nvme":
                 NVMeTier.write(c.file, flat.reshape(-1))
             else:
                 c.states.copy_(flat)
-            for p, off in zip(c.params, c.offsets):
-                p.data.copy_(flat[0][off:off + p.numel()].view_as(p))
+            if c.weights is not None:
+                c.weights.copy_(flat[0])
+            for p, view in c.views(flat[0]):
+                if p.numel():  # a released (offloaded) weight is refetched from c.weights
+                    p.data.copy_(view)
         if self.dp_size > 1:
             for gi in range(len(self.sub_groups)):
-                self._all_gather(gi)
+                if not self.partitioned[gi]:
+                    self._all_gather(gi)
 
     def close(self) -> None:
         self.wait_all()

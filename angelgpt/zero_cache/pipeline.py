@@ -26,8 +26,8 @@ class Streams:
 
 
 class Profile:
-    BUSY = ("reduce_scatter", "all_gather", "d2h", "h2d", "nvme", "cpu_optimizer", "update_thread")
-    EXPOSED = ("wait_update", "step")
+    BUSY = ("reduce_scatter", "all_gather", "d2h", "h2d", "fetch", "nvme", "cpu_optimizer", "update_thread")
+    EXPOSED = ("wait_update", "wait_fetch", "step")
 
     def __init__(self, device: torch.device, enabled: bool):
         self.enabled = enabled

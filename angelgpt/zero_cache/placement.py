@@ -61,3 +61,31 @@ def host_room_for_states(host_limit: float, numels: List[int], grad_bytes: int, 
     if nvme_enabled:
         fixed += 2 * STATES * 4 * largest
     return host_limit - fixed
+
+
+def offloaded_layers(chunk_groups: List[int], tiers: List[str], n_groups: int, enabled: bool) -> List[bool]:
+    """Per sub-group: are its weights offloaded (offload_params)? Transformer layers only (not the first
+    and last sub-groups, which run at both ends of the model), and only when none of this rank's chunks
+    of it is on the device (a rank that owns none of a layer does not object)."""
+    flags = []
+    for gi in range(n_groups):
+        mine = [t for g, t in zip(chunk_groups, tiers) if g == gi]
+        flags.append(enabled and 0 < gi < n_groups - 1 and all(t != "device" for t in mine))
+    return flags
+
+
+def place(groups: List[int], numels: List[int], n_groups: int, rate: float, host_limit: float, nvme_enabled: bool,
+          grad_bytes: int, offload_params: bool):
+    """Tiers per chunk, offloaded-weights flag per sub-group and bytes per tier. With NVMe, what the
+    host cannot hold goes there: the host budget for states shrinks until everything on the host
+    (states, gradients, scratch, staging, offloaded weights) fits, or nothing more can move."""
+    room = host_room_for_states(host_limit, numels, grad_bytes, nvme_enabled)
+    while True:
+        tiers = plan_tiers([n * 4 * STATES for n in numels], rate, room, nvme_enabled)
+        flags = offloaded_layers(groups, tiers, n_groups, offload_params)
+        need = tier_bytes(numels, tiers, grad_bytes)
+        need["host"] += grad_bytes * sum(n for g, n in zip(groups, numels) if flags[g])
+        over = need["host"] - host_limit
+        if not nvme_enabled or over <= 0 or room <= 0:
+            return tiers, flags, need
+        room -= over

@@ -54,12 +54,36 @@ def test_update_equals_torch_adamw(tmp_path, dp, rate, nvme):
         # the planner, from the config alone, predicts what this rank's allocator handed out, per tier
         cfg = resolve("tiny", overrides=["optim.optimizer=zero_cache", *overrides])
         host_limit = cfg.zero_cache.host_max_gib * 2 ** 30 if nvme else 1 << 50
-        _, _, predicted = rank_tier_bytes(cfg, dp, r["rank"], rate, host_limit, nvme, grad_bytes=4)
+        predicted = rank_tier_bytes(cfg, dp, r["rank"], rate, host_limit, nvme, grad_bytes=4)[2]
         for tier in ("device", "host", "nvme"):
             assert r["allocated"].get(tier, 0) == predicted[tier], (tier, r["allocated"], predicted)
         # fp32 master + 2 moments + the owned gradient (fp32 on CPU) per owned parameter, plus scratch
         assert sum(r["allocated"].values()) >= 16 * r["owned_numel"]
     assert sum(r["owned_numel"] for r in ranks) == ranks[0]["total_numel"]  # each state owned once over DP
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+@pytest.mark.parametrize("nvme", [False, True], ids=["no-nvme", "nvme"])
+def test_offloaded_weights_update_equals_torch_adamw(tmp_path, dp, nvme):
+    """offload_params: layers whose states are off the device keep their weights on the host, are
+    fetched before each forward and released after their backward; updates still equal torch AdamW."""
+    overrides = ["zero_cache.prefetch_cache_sub_group_rate=0.0", "zero_cache.offload_params=true"]
+    if nvme:
+        host_gib = 0.0025 if dp == 1 else 0.0019  # some states on the host, the rest on NVMe
+        overrides += [f"zero_cache.nvme_path={tmp_path / 'nvme'}", f"zero_cache.host_max_gib={host_gib}"]
+    ranks = adamw_check(tmp_path, dp, *overrides)
+    cfg = resolve("tiny", overrides=["optim.optimizer=zero_cache", *overrides])
+    for r in ranks:
+        assert r["first_update_max_rel_err"] < 1e-6, r
+        assert r["three_updates_rel_err"] < 1e-6, r
+        assert r["offloaded_layers"] == list(range(1, cfg.model.num_layers + 1)), r["offloaded_layers"]
+        assert r["released_after_use"], "offloaded layers hold no device weights between uses"
+        if nvme:
+            assert set(r["tiers"]) == {"host", "nvme"}, r["tiers"]
+        host_limit = cfg.zero_cache.host_max_gib * 2 ** 30 if nvme else 1 << 50
+        predicted = rank_tier_bytes(cfg, dp, r["rank"], 0.0, host_limit, nvme, grad_bytes=4)[2]
+        for tier in ("device", "host", "nvme"):
+            assert r["allocated"].get(tier, 0) == predicted[tier], (tier, r["allocated"], predicted)
 
 
 @pytest.mark.parametrize("layout", [("dp2", 2, []), ("tp2", 2, ["parallel.tensor_model_parallel_size=2"])],
@@ -69,10 +93,15 @@ def test_trajectory_follows_megatron_optimizer(tmp_path, layout):
     ref = train_tiny(tmp_path, "megatron", "train.train_iters=20", *extra, nproc=nproc)
     zc = train_tiny(tmp_path, "zc", "train.train_iters=20", "optim.optimizer=zero_cache",
                     "zero_cache.prefetch_cache_sub_group_rate=0.5", *extra, nproc=nproc)
-    for a, b in zip(ref, zc):
-        assert math.isclose(a["lm_loss"], b["lm_loss"], rel_tol=1e-5), (a["iteration"], a["lm_loss"], b["lm_loss"])
-        assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-4)
-    assert len(zc) == 20
+    # every layer's states on the host, weights offloaded and fetched per micro batch
+    offload = train_tiny(tmp_path, "zc-offload", "train.train_iters=20", "optim.optimizer=zero_cache",
+                         "zero_cache.prefetch_cache_sub_group_rate=0.0", "zero_cache.offload_params=true",
+                         *extra, nproc=nproc)
+    for run in (zc, offload):
+        for a, b in zip(ref, run):
+            assert math.isclose(a["lm_loss"], b["lm_loss"], rel_tol=1e-5), (a["iteration"], a["lm_loss"], b["lm_loss"])
+            assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-4)
+        assert len(run) == 20
 
 
 def _flat_checkpoint(path):
@@ -85,7 +114,8 @@ def _flat_checkpoint(path):
 
 
 def test_checkpoint_rate_0_resumes_with_rate_05(tmp_path):
-    zc = ["optim.optimizer=zero_cache", "train.train_iters=20"]
+    # rate 0.0 with offloaded weights: the checkpoint reads them from their host copies
+    zc = ["optim.optimizer=zero_cache", "train.train_iters=20", "zero_cache.offload_params=true"]
     full = train_tiny(tmp_path, "full", *zc, "zero_cache.prefetch_cache_sub_group_rate=0.0",
                       f"checkpoint.save={tmp_path / 'full'}", nproc=2)
     ck = tmp_path / "ck"

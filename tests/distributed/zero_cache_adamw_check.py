@@ -69,18 +69,24 @@ def main():
         opt.zero_grad()
         ref_opt.zero_grad()
         if step == 0:  # one update: every parameter on its own
-            first_err = max(((p - q).norm() / q.norm()).item() for p, q in zip(model.parameters(), ref.parameters()))
+            with opt.materialized():
+                first_err = max(((p - q).norm() / q.norm()).item()
+                                for p, q in zip(model.parameters(), ref.parameters()))
     # after three updates the key biases, whose true gradient is zero, carry rounding noise that Adam
     # normalises into full steps, so the later updates are compared over the whole model
-    diff = sum(((p - q) ** 2).sum() for p, q in zip(model.parameters(), ref.parameters())).sqrt()
-    err = (diff / sum((q ** 2).sum() for q in ref.parameters()).sqrt()).item()
+    with opt.materialized():  # offloaded layers' weights read from their host copies
+        diff = sum(((p - q) ** 2).sum() for p, q in zip(model.parameters(), ref.parameters())).sqrt()
+        err = (diff / sum((q ** 2).sum() for q in ref.parameters()).sqrt()).item()
+    offloaded = [gi for gi, f in enumerate(opt.partitioned) if f]
+    released = all(p.numel() == 0 for gi in offloaded for p in opt.sub_groups[gi])
     tiers = sorted({c.tier for c in opt.chunks})
     allocated = opt.allocated_bytes()
     nvme_dir = str(opt.nvme.dir) if opt.nvme else None
     opt.close()
     result = {"rank": rank, "first_update_max_rel_err": first_err, "three_updates_rel_err": err, "tiers": tiers, "allocated": allocated, "planned": opt.planned_bytes,
               "nvme_files": nvme_files, "nvme_dir": nvme_dir, "owned_numel": sum(c.numel for c in opt.chunks),
-              "total_numel": sum(p.numel() for p in model.parameters())}
+              "total_numel": sum(ref_p.numel() for ref_p in ref.parameters()), "offloaded_layers": offloaded,
+              "released_after_use": released}
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, result)
     if rank == 0:
