@@ -95,6 +95,13 @@ def _state(model, optimizer, scheduler, iteration: int, consumed: int, loading: 
     }
 
 
+def _materialized(optimizer):
+    """ZeRO-Cache's offloaded weights readable in place while a checkpoint is written or read."""
+    import contextlib
+
+    return getattr(optimizer, "materialized", contextlib.nullcontext)()
+
+
 MANIFEST = "manifest.json"
 
 
@@ -156,8 +163,9 @@ def save(root: str, iteration: int, consumed: int, model, optimizer, scheduler, 
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
-    dist_checkpointing.save(_state(model, optimizer, scheduler, iteration, consumed, loading=False), str(tmp),
-                            sharded_strategy=_save_strategy())
+    with _materialized(optimizer):
+        dist_checkpointing.save(_state(model, optimizer, scheduler, iteration, consumed, loading=False), str(tmp),
+                                sharded_strategy=_save_strategy())
     dist.barrier()
     if dist.get_rank() == 0:
         _write_manifest(tmp, iteration, config)
@@ -199,9 +207,10 @@ def load(root: str, model, optimizer, scheduler) -> Tuple[int, int]:
     dist.broadcast_object_list(problem, src=0)
     if problem[0]:
         raise ConfigError(f"checkpoint.load: {problem[0]}")
-    state = dist_checkpointing.load(_state(model, optimizer, scheduler, 0, 0, loading=True), str(path))
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
+    with _materialized(optimizer):
+        state = dist_checkpointing.load(_state(model, optimizer, scheduler, 0, 0, loading=True), str(path))
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["opt_param_scheduler"])
     _set_rng_state(state["rng_state"])
     return int(state["iteration"]), int(state["consumed_samples"])
