@@ -21,7 +21,6 @@ hidden is exposed; the largest exposed term, else compute, is the bottleneck.
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, replace
 from typing import Dict, List, Optional
 
@@ -73,6 +72,13 @@ def activation_bytes(cfg: Config, recompute: Optional[bool] = None) -> int:
     stored = layers * 2 * s * b * h + full_layer if recompute else layers * full_layer
     logits = s * b * cfg.padded_vocab_size() // tp * (MODEL_BYTES + 4 + 4)  # bf16 logits, fp32 copy and grad
     return stored + logits
+
+
+def device_reserve(cfg: Config, largest_chunk: int, grad_bytes: int = MODEL_BYTES) -> int:
+    """Device memory ZeRO-Cache leaves beside its states: activations, workspace, gradients in flight,
+    offloaded layers being used or prefetched, and the device's update scratch."""
+    fetched = 3 * largest_chunk * grad_bytes if offload_params_on(cfg) else 0
+    return activation_bytes(cfg) + WORKSPACE + 2 * largest_chunk * grad_bytes + fetched + 4 * largest_chunk
 
 
 @dataclass
@@ -157,8 +163,9 @@ def plan_zero_cache(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int
         return auto_plan(cfg, hw, gpus_per_node, nodes, use_nvme)
     params = rank_params(cfg, 0)
     model_numel = sum(p.numel for p in params)
-    per_rank_host = hw.host_mem_gib * GIB / gpus_per_node - HOST_PROCESS
-    host_limit = (zc.host_max_gib * GIB if zc.host_max_gib is not None else per_rank_host)
+    host_limit = hw.host_mem_gib * GIB / gpus_per_node - HOST_PROCESS
+    if zc.host_max_gib is not None:
+        host_limit = min(host_limit, zc.host_max_gib * GIB)
     numels, tiers, tb, offloaded = rank_tier_bytes(cfg, dp, 0, float(rate), host_limit, use_nvme)
     largest_layer = max(n for n in numels)
     off_device = [n for n, t in zip(numels, tiers) if t != "device"]
@@ -212,11 +219,11 @@ def plan_zero_cache(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int
 
 
 def auto_plan(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int = 1, nvme: bool = False) -> SystemPlan:
-    """The largest prefetch_cache_sub_group_rate (in steps of 0.05) that fits; states on GPU are updated
+    """The largest prefetch_cache_sub_group_rate (in steps of 0.01) that fits; states on GPU are updated
     30x faster than on the CPU and cross no PCIe, so more on the GPU is faster while it fits."""
     best = None
-    for i in range(20, -1, -1):
-        p = plan_zero_cache(cfg, hw, gpus_per_node, nodes, rate=i / 20, nvme=nvme)
+    for i in range(100, -1, -1):
+        p = plan_zero_cache(cfg, hw, gpus_per_node, nodes, rate=i / 100, nvme=nvme)
         best = best or p
         if p.fits:
             return p
@@ -270,19 +277,22 @@ def machine_from(name: Optional[str], **overrides) -> Machine:
 
 
 def auto_rate(cfg: Config, device, dp_size: int) -> float:
-    """`prefetch_cache_sub_group_rate: auto` in a worker: the planner's choice for this GPU and host."""
+    """`prefetch_cache_sub_group_rate: auto` in a worker: the planner's choice for this GPU and the host
+    memory ZeRO-Cache may take here (what the optimizer's capacity check will allow)."""
     if device.type != "cuda":
         return 1.0
+    import os
+
     import torch
 
-    from angelgpt.zero_cache.tiers import mem_available_bytes
+    from angelgpt.zero_cache.tiers import available_bytes
 
     _, total = torch.cuda.mem_get_info(device)
-    local = int(__import__("os").environ.get("LOCAL_WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    nodes = max(1, int(os.environ.get("WORLD_SIZE", "1")) // local)
+    zc = cfg.zero_cache
+    host = available_bytes(device, zc.host_max_gib, zc.nvme_path, zc.nvme_max_gib)["host"]
+    nvme = available_bytes(device, None, zc.nvme_path, zc.nvme_max_gib)["nvme"]
     hw = replace(MACHINES["h200"], gpus_per_node=local, gpu_mem_gib=total / GIB,
-                 host_mem_gib=(mem_available_bytes() + HOST_PROCESS * local) / GIB)
-    if cfg.zero_cache.host_max_gib is not None:
-        hw = replace(hw, host_mem_gib=(cfg.zero_cache.host_max_gib * GIB + HOST_PROCESS) * local / GIB)
-    world = local * max(1, int(__import__("os").environ.get("WORLD_SIZE", "1")) // local)
-    p = auto_plan(cfg, hw, local, world // local, bool(cfg.zero_cache.nvme_path))
-    return p.rate if math.isfinite(p.rate) else 0.0
+                 host_mem_gib=(host + HOST_PROCESS) * local / GIB, nvme_gib=nvme * local / GIB)
+    return auto_plan(cfg, hw, local, nodes, bool(zc.nvme_path)).rate

@@ -82,7 +82,7 @@ class Chunk:
     file: Optional[object] = None  # NVMe tier
     grad: Optional[torch.Tensor] = None  # [numel], model dtype: reduced and owned (device tier, else host)
     grad_ready: Optional[object] = None  # CUDA event: the gradient's D2H copy is done
-    weights: Optional[torch.Tensor] = None  # [numel] model dtype, pinned host: offloaded weights (offload_params)
+    weights: Optional[torch.Tensor] = None  # offloaded layer (offload_params): its weights, in the grad buffer
     step: Optional[torch.Tensor] = None
 
     def views(self, flat: torch.Tensor):
@@ -154,6 +154,7 @@ class ZeroCacheOptimizer:
         self._place(zc)
         self.streams = Streams(device)
         self.profile = Profile(device, enabled=zc.is_communication_time_profiling)
+        self._live: Dict[int, Tuple[torch.Tensor, object]] = {}
         self._allocate()
         self._release_offloaded()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero-cache-update")
@@ -166,8 +167,11 @@ class ZeroCacheOptimizer:
 
     # -- placement and allocation ------------------------------------------------------------
     def _place(self, zc) -> None:
-        avail = available_bytes(self.device, zc.host_max_gib, zc.nvme_path, zc.nvme_max_gib)
+        from angelgpt.planner.plan import device_reserve
+
         grad_bytes = self.params[0].element_size()
+        avail = available_bytes(self.device, zc.host_max_gib, zc.nvme_path, zc.nvme_max_gib,
+                                device_reserve(self.cfg, max(c.numel for c in self.chunks), grad_bytes))
         numels = [c.numel for c in self.chunks]
         tiers, flags, needed = place([c.group for c in self.chunks], numels, len(self.sub_groups), self.rate,
                                      avail["host"], bool(zc.nvme_path), grad_bytes, self._offload_params_on(zc))
@@ -176,11 +180,10 @@ class ZeroCacheOptimizer:
         if self.dp_size > 1:  # a layer is fetched (and all-gathered) on every rank or on none
             t = torch.tensor([float(f) for f in flags], device=self.device)
             dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
-            if [bool(v) for v in t.tolist()] != flags:
-                flags = [bool(v) for v in t.tolist()]
-                needed = tier_bytes(numels, tiers, grad_bytes)
-                needed["host"] += grad_bytes * sum(c.numel for c in self.chunks if flags[c.group])
+            flags = [bool(v) for v in t.tolist()]
         self.partitioned = flags
+        # offloaded layers leave the device once their chunks exist, making room for the states
+        avail["device"] += grad_bytes * sum(self._n(p) for gi, f in enumerate(flags) if f for p in self.sub_groups[gi])
         if not zc.nvme_path:
             needed.pop("nvme")
         check_capacity(needed, avail)
@@ -203,7 +206,8 @@ class ZeroCacheOptimizer:
         self._upload = [torch.empty(max(upload), dtype=self.model_dtype, pin_memory=True)
                         for _ in range(2)] if upload and on_cuda else []
         self._upload_done = [None, None]
-        for c in self.chunks:
+        done = collections.Counter()
+        for c in reversed(self.chunks):  # last layers first: offloaded ones leave the device before states arrive
             grad_tier = self.tiers["device" if c.tier == "device" else "host"]
             c.grad = grad_tier.allocate(c.numel, self.model_dtype, pinned=True)
             step_device = self.device if c.tier == "device" else torch.device("cpu")
@@ -212,8 +216,7 @@ class ZeroCacheOptimizer:
             for p, view in c.views(c.grad):
                 view.copy_(p.detach())
             if self.partitioned[c.group]:
-                c.weights = self.tiers["host"].allocate(c.numel, self.model_dtype, pinned=True)
-                c.weights.copy_(c.grad)
+                c.weights = c.grad  # holds the weights until the last backward's gradients replace them
             if c.tier == "nvme":
                 c.file = self.nvme.create(c.key, STATES * c.numel)
                 staging = self.nvme.staging(0, STATES * c.numel).zero_()
@@ -222,6 +225,9 @@ class ZeroCacheOptimizer:
             else:
                 c.states = self.tiers[c.tier].allocate(STATES * c.numel).view(STATES, c.numel)
                 c.states[0].copy_(c.grad)
+            done[c.group] += 1
+            if self.partitioned[c.group] and done[c.group] == len(self.chunks_of[c.group]):
+                self._release(c.group)
 
     def allocated_bytes(self) -> Dict[str, int]:
         """Bytes each tier actually holds (chunk states, owned gradients, scratch and staging)."""
@@ -242,10 +248,9 @@ class ZeroCacheOptimizer:
     def _release_offloaded(self) -> None:
         """Transformer layers whose states are all off the device keep their weights on the host and
         are fetched before each use; the embedding and output stay (they run at both ends)."""
-        self._live: Dict[int, Tuple[torch.Tensor, object]] = {}
         for gi, flag in enumerate(self.partitioned):
             if flag:
-                self._release(gi)
+                self._release(gi)  # also those of which this rank owns nothing
 
     def _offload_params_on(self, zc) -> bool:
         return zc.offload_params if zc.offload_params != "auto" else self.recompute
@@ -549,7 +554,7 @@ class ZeroCacheOptimizer:
                 c.grad_ready.synchronize()
             t0 = time.perf_counter()
             grad = self.scratch["host"][:c.numel]
-            grad.copy_(c.grad)
+            grad.copy_(c.grad)  # before an offloaded layer's new weights overwrite the buffer
             if coef < 1.0:
                 grad.mul_(coef)
             if c.tier == "nvme":

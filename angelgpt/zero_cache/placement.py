@@ -78,13 +78,14 @@ def place(groups: List[int], numels: List[int], n_groups: int, rate: float, host
           grad_bytes: int, offload_params: bool):
     """Tiers per chunk, offloaded-weights flag per sub-group and bytes per tier. With NVMe, what the
     host cannot hold goes there: the host budget for states shrinks until everything on the host
-    (states, gradients, scratch, staging, offloaded weights) fits, or nothing more can move."""
+    (states, gradients, scratch, staging) fits, or nothing more can move. An offloaded layer's weights
+    live in its pinned gradient buffer: the last backward reads them before its gradients land there,
+    and the update writes the new weights back."""
     room = host_room_for_states(host_limit, numels, grad_bytes, nvme_enabled)
     while True:
         tiers = plan_tiers([n * 4 * STATES for n in numels], rate, room, nvme_enabled)
         flags = offloaded_layers(groups, tiers, n_groups, offload_params)
-        need = tier_bytes(numels, tiers, grad_bytes)
-        need["host"] += grad_bytes * sum(n for g, n in zip(groups, numels) if flags[g])
+        need = tier_bytes(numels, tiers, grad_bytes)  # an offloaded layer's weights share its gradient buffer
         over = need["host"] - host_limit
         if not nvme_enabled or over <= 0 or room <= 0:
             return tiers, flags, need

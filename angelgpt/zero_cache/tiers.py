@@ -150,13 +150,17 @@ def check_capacity(needed: dict, available: dict) -> None:
 
 
 def available_bytes(device: torch.device, host_max_gib: Optional[float], nvme_path: Optional[str],
-                    nvme_max_gib: Optional[float]) -> dict:
+                    nvme_max_gib: Optional[float], device_reserve: int = 0) -> dict:
+    """What each tier may take: the device's free memory less what training needs beside the states
+    (device_reserve: activations, workspace, gradients in flight), host memory up to host_max_gib or
+    MemAvailable less a small reserve, the NVMe directory's free space up to nvme_max_gib."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        dev = int(free * 0.8)  # leave room for activations and the working set
+        dev = free - device_reserve
     else:
         dev = mem_available_bytes() // 2
-    host = int(host_max_gib * GIB) if host_max_gib is not None else int(mem_available_bytes() * 0.8)
+    avail_host = mem_available_bytes()
+    host = int(host_max_gib * GIB) if host_max_gib is not None else int(avail_host - max(2 * GIB, 0.03 * avail_host))
     if device.type != "cuda" and host_max_gib is None:
         host = dev  # CPU stands in for both: split what is there
     nvme = 0
