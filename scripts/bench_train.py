@@ -48,6 +48,26 @@ def commit() -> str:
         return "unknown"
 
 
+def predicted(size: str, overrides, machine_info: dict) -> dict:
+    """The planner's prediction for this run on this machine (peak GPU and host memory, step time)."""
+    from dataclasses import replace
+
+    from angelgpt.config import resolve
+    from angelgpt.planner.plan import GIB, MACHINES, plan_megatron, plan_zero_cache
+
+    try:
+        cfg = resolve(size, None, list(overrides))
+    except Exception as exc:  # the run itself reports bad input
+        return {"error": str(exc)}
+    hw = MACHINES["h200"]
+    if machine_info.get("gpu_mem_gib"):
+        hw = replace(hw, gpu_mem_gib=machine_info["gpu_mem_gib"])
+    p = plan_zero_cache(cfg, hw) if cfg.optim.optimizer == "zero_cache" else plan_megatron(cfg, hw)
+    return {"system": p.system, "rate": p.rate, "gpu_gib": round(p.gpu_total / GIB, 2),
+            "host_gib": round(p.host_total / GIB, 2), "step_time_s": p.step_time_s,
+            "bottleneck": p.bottleneck, "fits": p.fits}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--name", required=True)
@@ -97,6 +117,13 @@ def main() -> int:
         if args.goal_tflops:
             result["goal_tflops_per_gpu"] = args.goal_tflops
             result["goal_met"] = result["tflops_per_gpu_median"] >= args.goal_tflops
+    result["predicted"] = predicted(args.size, args.overrides, result["machine"])
+    if steady:
+        result["oom"] = False
+    else:
+        tail = proc.stdout[-20000:] + proc.stderr[-20000:]
+        result["oom"] = "out of memory" in tail.lower() or "do not fit" in tail
+        result["log_tail"] = tail[-4000:]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{args.name}.json"

@@ -112,7 +112,11 @@ class ParallelConfig:
 @dataclass
 class OptimConfig:
     optimizer: str = "megatron"
-    """'megatron' (Megatron's distributed optimizer) or 'zero_cache' (GPU + CPU + NVMe state store)."""
+    """'megatron' (Megatron's distributed optimizer), 'megatron_cpu_offload' (the same with Megatron's
+    HybridDeviceOptimizer keeping offload_fraction of the states on the CPU; GPU only) or 'zero_cache'
+    (GPU + CPU + NVMe state store)."""
+    offload_fraction: float = 1.0
+    """With 'megatron_cpu_offload': fraction of the optimizer states Megatron offloads to the CPU."""
     lr: float = 3.0e-4
     """Peak learning rate."""
     min_lr: float = 3.0e-5
@@ -135,8 +139,10 @@ class OptimConfig:
     """Clip the global gradient norm (over all ranks) to this; 0 disables clipping."""
 
     def __post_init__(self):
-        _require(self.optimizer in ("megatron", "zero_cache"),
-                 f"optim.optimizer must be 'megatron' or 'zero_cache', got '{self.optimizer}'")
+        _require(self.optimizer in ("megatron", "megatron_cpu_offload", "zero_cache"),
+                 f"optim.optimizer must be 'megatron', 'megatron_cpu_offload' or 'zero_cache', got '{self.optimizer}'")
+        _require(0.0 <= self.offload_fraction <= 1.0,
+                 f"optim.offload_fraction must be in [0, 1], got {self.offload_fraction}")
         _require(self.lr_decay_style in ("cosine", "linear", "constant"),
                  f"optim.lr_decay_style must be 'cosine', 'linear' or 'constant', got '{self.lr_decay_style}'")
         _positive("optim", lr=self.lr, adam_eps=self.adam_eps)
@@ -372,6 +378,8 @@ class Config:
             _require(self.parallel.pipeline_model_parallel_size == 1,
                      "parallel.pipeline_model_parallel_size > 1 needs CUDA (Megatron's pipeline schedules "
                      "allocate on CUDA)")
+            _require(self.optim.optimizer != "megatron_cpu_offload",
+                     "optim.optimizer 'megatron_cpu_offload' needs CUDA (Megatron's HybridDeviceOptimizer)")
             _require(self.model.recompute == "none",
                      "model.recompute 'full' needs CUDA (Megatron's activation checkpointing saves the CUDA RNG "
                      "state); use 'none' on CPU")

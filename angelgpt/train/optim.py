@@ -138,15 +138,19 @@ class CPUDataParallelAdamW:
 
 
 def build_megatron_optimizer(model, cfg: Config):
-    """Megatron's distributed optimizer over a Megatron DDP-wrapped model (GPU)."""
+    """Megatron's distributed optimizer over a Megatron DDP-wrapped model (GPU), optionally with its CPU offload."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     o = cfg.optim
+    offload = {}
+    if o.optimizer == "megatron_cpu_offload":  # Megatron's HybridDeviceOptimizer
+        offload = dict(optimizer_cpu_offload=True, optimizer_offload_fraction=o.offload_fraction,
+                       overlap_cpu_optimizer_d2h_h2d=True)  # precision-aware mode needs transformer-engine
     opt_config = OptimizerConfig(
         optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
         adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
         clip_grad=o.clip_grad, bf16=True, params_dtype=torch.bfloat16,
-        use_distributed_optimizer=True,
+        use_distributed_optimizer=True, **offload,
     )
     return get_megatron_optimizer(opt_config, [model])
 

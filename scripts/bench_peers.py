@@ -1,0 +1,187 @@
+"""Side-by-side benchmark on one machine: largest trainable model and throughput of angelgpt's ZeRO-Cache
+against Megatron's distributed optimizer, Megatron's CPU offload and DeepSpeed ZeRO-3 offload.
+
+    # run cases (one result file each under benchmarks/results/; existing ones are skipped, so a sweep resumes)
+    python scripts/bench_peers.py run megatron:9 zero_cache:20 zero_cache_nvme:23 --iters 3 --warmup 1
+    python scripts/bench_peers.py run zero_cache:9 --iters 8 --warmup 3      # throughput at another size
+    # BENCHMARKS.md and benchmarks/peers.png from the result files
+    python scripts/bench_peers.py report
+
+The GPT family is the 55 preset's layer shape (hidden 8192, 64 heads of 128, FFN 32768, vocabulary
+50257, sequence 2048, full activation recompute, bf16, mock data) with a varying number of layers
+(the `h200-16b` preset with model.num_layers=L). A case is SYSTEM:LAYERS[:micro_batch[:global_batch]].
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = Path(os.environ.get("ANGELGPT_BENCH_OUT", ROOT / "benchmarks" / "results"))
+NVME_DIR = os.environ.get("ANGELGPT_BENCH_NVME", "/tmp/angelgpt-nvme")
+SYSTEMS = {
+    "megatron": ["optim.optimizer=megatron"],
+    "megatron_cpu_offload": ["optim.optimizer=megatron_cpu_offload", "optim.offload_fraction=1.0"],
+    "deepspeed_zero3_offload": None,  # needs the `bench` extra (DeepSpeed); refused below when absent
+    "zero_cache": ["optim.optimizer=zero_cache", "zero_cache.prefetch_cache_sub_group_rate=auto"],
+    "zero_cache_nvme": ["optim.optimizer=zero_cache", "zero_cache.prefetch_cache_sub_group_rate=auto",
+                        f"zero_cache.nvme_path={NVME_DIR}"],
+}
+LABEL = {"megatron": "(a) Megatron distributed optimizer", "megatron_cpu_offload": "(b) Megatron CPU offload",
+         "deepspeed_zero3_offload": "(c) DeepSpeed ZeRO-3 offload", "zero_cache": "(d) ZeRO-Cache GPU+CPU",
+         "zero_cache_nvme": "(e) ZeRO-Cache GPU+CPU+NVMe"}
+
+
+def parse_case(text: str):
+    parts = text.split(":")
+    if parts[0] not in SYSTEMS or len(parts) < 2 or not all(p.isdigit() for p in parts[1:]):
+        raise SystemExit(f"bench_peers: bad case '{text}': SYSTEM:LAYERS[:MICRO[:GLOBAL]], SYSTEM in {list(SYSTEMS)}")
+    layers, mb, gb = int(parts[1]), int(parts[2]) if len(parts) > 2 else 4, int(parts[3]) if len(parts) > 3 else 32
+    return parts[0], layers, mb, gb
+
+
+def run(args) -> int:
+    failed = 0
+    for text in args.cases:
+        system, layers, mb, gb = parse_case(text)
+        name = f"peers-{system}-L{layers}-mb{mb}-gb{gb}"
+        if (RESULTS / f"{name}.json").exists() and not args.force:
+            print(f"{name}: result exists, skipped", flush=True)
+            continue
+        overrides = SYSTEMS[system]
+        if overrides is None:
+            try:
+                import deepspeed  # noqa: F401
+            except ImportError:
+                print(f"{name}: DeepSpeed is not installed here (pip install angelgpt[bench]); not run", flush=True)
+                continue
+            raise SystemExit("bench_peers: the DeepSpeed runner is not part of this version")
+        cmd = [sys.executable, str(ROOT / "scripts" / "bench_train.py"), "--name", name, "--size", "h200-16b",
+               "--iters", str(args.iters), "--warmup", str(args.warmup), "--out", str(RESULTS), "--",
+               f"model.num_layers={layers}", f"train.micro_batch_size={mb}", f"train.global_batch_size={gb}",
+               "optim.lr_warmup_iters=1", *overrides, *args.extra]
+        print("case:", " ".join(cmd[2:]), flush=True)
+        failed += subprocess.call(cmd, cwd=ROOT) != 0
+    return 0 if not failed else 1
+
+
+def load_results():
+    out = []
+    for f in sorted(RESULTS.glob("peers-*.json")):
+        r = json.loads(f.read_text())
+        system, rest = r["name"][len("peers-"):].rsplit("-L", 1)
+        layers = int(rest.split("-")[0])
+        steps = len(r.get("records", []))
+        out.append(dict(file=f.name, system=system, layers=layers, ok=r["returncode"] == 0 and steps >= 3,
+                        params=None, tflops=r.get("tflops_per_gpu_median"), tokens=r.get("tokens_per_s_median"),
+                        gpu=r.get("peak_gpu_gib"), host=r.get("peak_host_gib"), oom=r.get("oom"),
+                        commit=r.get("commit", "")[:10], steps=steps))
+    return out
+
+
+def report(args) -> int:
+    from angelgpt.config import resolve
+    from angelgpt.model.flops import num_params
+
+    rows = load_results()
+    for r in rows:
+        r["params"] = num_params(resolve("h200-16b", overrides=[f"model.num_layers={r['layers']}"]))
+    best = {}
+    for r in rows:
+        if r["ok"] and (r["system"] not in best or r["layers"] > best[r["system"]]["layers"]):
+            best[r["system"]] = r
+    lines = ["# Benchmarks: one H200, the 55 preset's layer shape with varying layers", "",
+             "Every figure below is read from a result file under `benchmarks/results/` (written by "
+             "`scripts/bench_peers.py run`, which records the exact command, commit and machine); this file "
+             "and `benchmarks/peers.png` are regenerated by `python scripts/bench_peers.py report`.", "",
+             "## Runs", "", "| system | layers | params | completed steps | model TFLOP/s/GPU | tokens/s | "
+             "peak GPU GiB | peak host GiB | result file |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["system"], r["layers"])):
+        fmt = lambda v, f: (f.format(v) if v is not None else "-")  # noqa: E731
+        lines.append(f"| {LABEL.get(r['system'], r['system'])} | {r['layers']} | {r['params'] / 1e9:.2f}B | "
+                     f"{r['steps']}{' (OOM)' if r['oom'] else ''} | {fmt(r['tflops'], '{:.1f}')} | "
+                     f"{fmt(r['tokens'], '{:,.0f}')} | {fmt(r['gpu'], '{:.1f}')} | {fmt(r['host'], '{:.1f}')} | "
+                     f"`{r['file']}` |")
+    lines += ["", "## Largest model that completes 3 optimizer steps", "", "| system | layers | params |",
+              "|---|---|---|"]
+    for system in SYSTEMS:
+        b = best.get(system)
+        lines.append(f"| {LABEL[system]} | {b['layers'] if b else 'not run'} | "
+                     f"{b['params'] / 1e9:.2f}B |" if b else f"| {LABEL[system]} | not run | - |")
+    goals = []
+
+    def ratio(a, b, goal, what):
+        if a and b:
+            value = a / b
+            goals.append(f"| {what} | {goal:.2f}x | {value:.2f}x | {'met' if value >= goal else 'missed'} |")
+        else:
+            goals.append(f"| {what} | {goal:.2f}x | not measured | - |")
+
+    d, a, c, bsys, e = (best.get(k) for k in ("zero_cache", "megatron", "deepspeed_zero3_offload",
+                                               "megatron_cpu_offload", "zero_cache_nvme"))
+    ratio(d and d["params"], a and a["params"], 2.0, "size: (d) / (a)")
+    ratio(d and d["params"], c and c["params"], 1.9, "size: (d) / (c)")
+    ratio(d and d["params"], 16e9, 1.0, "size: (d) / 16B")
+    ratio(e and e["params"], 19e9, 1.0, "size: (e) / 19B")
+
+    def at(system, layers):
+        hits = [r for r in rows if r["system"] == system and r["layers"] == layers and r["ok"] and r["tflops"]]
+        return max((r["tflops"] for r in hits), default=None)
+
+    for peer, goal in (("megatron", 0.97), ("deepspeed_zero3_offload", 2.0), ("megatron_cpu_offload", 1.2)):
+        p = best.get(peer)
+        ratio(p and at("zero_cache", p["layers"]), p and at(peer, p["layers"]), goal,
+              f"speed: (d) / {LABEL[peer][:3]} at {LABEL[peer][:3]}'s largest size")
+    ratio(d and at("zero_cache", d["layers"]), a and at("megatron", a["layers"]), 0.75,
+          "speed: (d) at its largest / (a) at its largest")
+    lines += ["", "## Goals", "", "| goal | target | measured | |", "|---|---|---|---|", *goals, ""]
+    (ROOT / "BENCHMARKS.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no chart (pip install angelgpt[bench])")
+        return 0
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    names = [s for s in SYSTEMS if s in best]
+    ax1.bar([LABEL[s][:3] for s in names], [best[s]["params"] / 1e9 for s in names], color="tab:blue")
+    ax1.set_ylabel("largest model (B parameters)")
+    ax1.set_title("Max trainable size, one H200")
+    sizes = sorted({best[s]["layers"] for s in names})
+    width = 0.8 / max(1, len(names))
+    for i, s in enumerate(names):
+        ax2.bar([j + i * width for j in range(len(sizes))], [at(s, L) or 0 for L in sizes], width, label=LABEL[s])
+    ax2.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(sizes))])
+    ax2.set_xticklabels([f"{L} layers" for L in sizes])
+    ax2.set_ylabel("model TFLOP/s per GPU")
+    ax2.set_title("Throughput at each system's largest size")
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(ROOT / "benchmarks" / "peers.png", dpi=110)
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("cases", nargs="+")
+    r.add_argument("--iters", type=int, default=8)
+    r.add_argument("--warmup", type=int, default=3)
+    r.add_argument("--force", action="store_true", help="run again even when the result file exists")
+    r.add_argument("--extra", nargs="*", default=[], help="more KEY=VALUE overrides for every case")
+    sub.add_parser("report")
+    args = ap.parse_args()
+    return run(args) if args.cmd == "run" else report(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
