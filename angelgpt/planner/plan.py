@@ -31,7 +31,9 @@ from angelgpt.zero_cache.placement import STATES, place
 
 GIB = 1024 ** 3
 MODEL_BYTES = 2  # bf16 weights and gradients on GPU
-WORKSPACE = 3 * GIB  # CUDA context, cuBLAS workspace, allocator slack
+WORKSPACE = 3 * GIB  # cuBLAS workspace, NCCL buffers, allocator slack
+CUDA_CONTEXT = 1 * GIB  # taken before anything is allocated (not in torch.cuda.mem_get_info's free)
+GPU_HEADROOM = 0.03  # of the device, left free against fragmentation
 HOST_PROCESS = 6 * GIB  # the Python process, torch and CUDA libraries, dataset indices
 
 
@@ -54,7 +56,7 @@ class Machine:
 MACHINES: Dict[str, Machine] = {
     # measured on the test machine (shared FACTS): PCIe 55.3 GB/s each way, CPU AdamW 4.2 G params/s
     # on 16 cores, disk 1.4 GB/s, Megatron GPT at h=8192 630 hardware TFLOP/s with full recompute
-    "h200": Machine("h200", 1, 139.8, 125.0, 55.0, 55.0, 1.4, 150.0, 630.0, 4.2),
+    "h200": Machine("h200", 1, 139.8, 126.0, 55.0, 55.0, 1.4, 150.0, 630.0, 4.2),
     "h200x8": Machine("h200x8", 8, 139.8, 2000.0, 3000.0, 55.0, 6.0, 150.0, 630.0, 20.0),
     "h100x8": Machine("h100x8", 8, 79.6, 2000.0, 3000.0, 50.0, 6.0, 150.0, 600.0, 20.0),
     "a100-80gx8": Machine("a100-80gx8", 8, 79.2, 1000.0, 3000.0, 24.0, 3.0, 100.0, 240.0, 8.0),
@@ -74,11 +76,12 @@ def activation_bytes(cfg: Config, recompute: Optional[bool] = None) -> int:
     return stored + logits
 
 
-def device_reserve(cfg: Config, largest_chunk: int, grad_bytes: int = MODEL_BYTES) -> int:
-    """Device memory ZeRO-Cache leaves beside its states: activations, workspace, gradients in flight,
-    offloaded layers being used or prefetched, and the device's update scratch."""
-    fetched = 3 * largest_chunk * grad_bytes if offload_params_on(cfg) else 0
-    return activation_bytes(cfg) + WORKSPACE + 2 * largest_chunk * grad_bytes + fetched + 4 * largest_chunk
+def device_reserve(cfg: Config, largest_chunk: int, grad_bytes: int, offloaded: bool) -> int:
+    """Device memory ZeRO-Cache leaves beside its states and resident weights: activations, workspace,
+    gradients in flight, offloaded layers being used, prefetched or not yet freed by autograd, and a
+    headroom of GPU_HEADROOM of the device for the allocator."""
+    fetched = 3 * largest_chunk * grad_bytes if offloaded else 0
+    return activation_bytes(cfg) + WORKSPACE + 2 * largest_chunk * grad_bytes + fetched
 
 
 @dataclass
@@ -116,7 +119,7 @@ def _finish(system, cfg, hw, gpus_per_node, world, gpu, host, nvme, step, rate=N
     gpu_total = sum(gpu.values())
     host_total = sum(host.values()) * gpus_per_node  # ranks of one node share its host memory
     nvme_total = nvme * gpus_per_node
-    margin = {"gpu": int(gpu_cap - gpu_total), "host": int(host_cap - host_total),
+    margin = {"gpu": int(gpu_cap * (1 - GPU_HEADROOM) - gpu_total), "host": int(host_cap - host_total),
               "nvme": int(nvme_cap - nvme_total)}
     exposed = {k: v for k, v in step.items() if k != "compute"}
     total = step["compute"] + sum(exposed.values())
@@ -167,18 +170,19 @@ def plan_zero_cache(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int
     if zc.host_max_gib is not None:
         host_limit = min(host_limit, zc.host_max_gib * GIB)
     numels, tiers, tb, offloaded = rank_tier_bytes(cfg, dp, 0, float(rate), host_limit, use_nvme)
-    largest_layer = max(n for n in numels)
+    group_sizes = {}
+    for p in params:
+        group_sizes[p.sub_group] = group_sizes.get(p.sub_group, 0) + p.numel
+    largest_layer = max(group_sizes.values())  # the largest sub-group, all of it (as the optimizer counts)
     off_device = [n for n, t in zip(numels, tiers) if t != "device"]
-    first_layer = min((p.sub_group for p in params if 0 < p.sub_group <= cfg.model.num_layers), default=None)
-    layer_numel = sum(p.numel for p in params if p.sub_group == first_layer)
     resident = model_numel - sum(offloaded) * dp
     gpu = {
-        # resident weights, plus offloaded layers being used, prefetched and not yet freed by autograd
-        "weights": resident * MODEL_BYTES + (3 * layer_numel * MODEL_BYTES if offloaded else 0),
-        "gradients_in_flight": 2 * largest_layer * MODEL_BYTES * max(1, dp),
+        "weights": resident * MODEL_BYTES,
+        "fetched_weights": 3 * largest_layer * MODEL_BYTES if offloaded else 0,  # in use, prefetched, freeing
+        "gradients_in_flight": 2 * largest_layer * MODEL_BYTES,
         "cached_states": tb["device"],
         "activations": activation_bytes(cfg),
-        "workspace": WORKSPACE,
+        "workspace": WORKSPACE + CUDA_CONTEXT,
     }
     uploads = [n for n, t in zip(numels, tiers) if t != "device"]
     for n in offloaded:
@@ -235,7 +239,7 @@ def plan_megatron(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int =
     world, dp = _world(cfg, gpus_per_node, nodes)
     n = sum(p.numel for p in rank_params(cfg, 0))
     gpu = {"weights": n * MODEL_BYTES, "main_grads": n * 4, "optimizer_states": -(-n * 12 // dp),
-           "activations": activation_bytes(cfg), "workspace": WORKSPACE}
+           "activations": activation_bytes(cfg), "workspace": WORKSPACE + CUDA_CONTEXT}
     host = {"process": HOST_PROCESS}
     step = {"compute": _compute_s(cfg, hw, world),
             "gpu_optimizer": n / dp / 120e9,
@@ -252,7 +256,7 @@ def plan_zero3_offload(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: 
     shard = -(-n // dp)
     largest = max(p.numel for p in rank_params(cfg, 0) if p.sub_group == 1) * 12  # one layer gathered
     gpu = {"gathered_weights": 2 * largest * MODEL_BYTES, "activations": activation_bytes(cfg),
-           "workspace": WORKSPACE}
+           "workspace": WORKSPACE + CUDA_CONTEXT}
     host = {"host_states": shard * (MODEL_BYTES + 4 + 4 * STATES), "process": HOST_PROCESS}
     mb = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
     fetch = (3 if cfg.model.recompute == "full" else 2) * mb * n * MODEL_BYTES / (hw.pcie_gbs * 1e9)

@@ -167,11 +167,10 @@ class ZeroCacheOptimizer:
 
     # -- placement and allocation ------------------------------------------------------------
     def _place(self, zc) -> None:
-        from angelgpt.planner.plan import device_reserve
+        from angelgpt.planner.plan import GPU_HEADROOM, device_reserve
 
         grad_bytes = self.params[0].element_size()
-        avail = available_bytes(self.device, zc.host_max_gib, zc.nvme_path, zc.nvme_max_gib,
-                                device_reserve(self.cfg, max(c.numel for c in self.chunks), grad_bytes))
+        avail = available_bytes(self.device, zc.host_max_gib, zc.nvme_path, zc.nvme_max_gib)
         numels = [c.numel for c in self.chunks]
         tiers, flags, needed = place([c.group for c in self.chunks], numels, len(self.sub_groups), self.rate,
                                      avail["host"], bool(zc.nvme_path), grad_bytes, self._offload_params_on(zc))
@@ -182,6 +181,10 @@ class ZeroCacheOptimizer:
             dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
             flags = [bool(v) for v in t.tolist()]
         self.partitioned = flags
+        if self.device.type == "cuda":  # what training needs beside the states, as the planner counts it
+            largest = max(sum(self._n(p) for p in g) for g in self.sub_groups)
+            avail["device"] -= device_reserve(self.cfg, largest, grad_bytes, any(flags))
+            avail["device"] -= int(GPU_HEADROOM * torch.cuda.mem_get_info(self.device)[1])
         # offloaded layers leave the device once their chunks exist, making room for the states
         avail["device"] += grad_bytes * sum(self._n(p) for gi, f in enumerate(flags) if f for p in self.sub_groups[gi])
         if not zc.nvme_path:
@@ -528,19 +531,20 @@ class ZeroCacheOptimizer:
             self.profile.exposed("step", time.perf_counter() - t0)
         return True, norm, None
 
-    def _adamw(self, c: Chunk, states: torch.Tensor, grad: torch.Tensor, hyper) -> None:
+    def _adamw(self, c: Chunk, states: torch.Tensor, grad: torch.Tensor, hyper, coef: float) -> None:
+        """Fused AdamW where the chunk lives; clipping rides in the kernel (grad_scale divides the
+        gradient), so it costs no extra pass over memory."""
         lr, wd = hyper[0 if c.decay else 1]
         c.step += 1
+        scale = None if coef >= 1.0 else torch.full((), 1.0 / coef, dtype=torch.float32, device=grad.device)
         torch._fused_adamw_([states[0]], [grad], [states[1]], [states[2]], [], [c.step],
                             lr=lr, beta1=self.betas[0], beta2=self.betas[1],
-                            weight_decay=wd, eps=self.eps, amsgrad=False, maximize=False)
+                            weight_decay=wd, eps=self.eps, amsgrad=False, maximize=False, grad_scale=scale)
 
     def _update_on_device(self, c: Chunk, coef: float, hyper) -> None:
         grad = self.scratch["device"][:c.numel]
         grad.copy_(c.grad)
-        if coef < 1.0:
-            grad.mul_(coef)
-        self._adamw(c, c.states, grad, hyper)
+        self._adamw(c, c.states, grad, hyper, coef)
         for p, view in c.views(c.states[0]):
             p.data.copy_(view)
 
@@ -555,14 +559,12 @@ class ZeroCacheOptimizer:
             t0 = time.perf_counter()
             grad = self.scratch["host"][:c.numel]
             grad.copy_(c.grad)  # before an offloaded layer's new weights overwrite the buffer
-            if coef < 1.0:
-                grad.mul_(coef)
             if c.tier == "nvme":
                 states = self._nvme_states(c)
             else:
                 states = c.states
             t1 = time.perf_counter()
-            self._adamw(c, states, grad, hyper)
+            self._adamw(c, states, grad, hyper, coef)
             self.profile.busy("cpu_optimizer", time.perf_counter() - t1)
             if c.weights is not None:
                 c.weights.copy_(states[0])  # fetched from here before the layer next runs

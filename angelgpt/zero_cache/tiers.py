@@ -150,13 +150,13 @@ def check_capacity(needed: dict, available: dict) -> None:
 
 
 def available_bytes(device: torch.device, host_max_gib: Optional[float], nvme_path: Optional[str],
-                    nvme_max_gib: Optional[float], device_reserve: int = 0) -> dict:
-    """What each tier may take: the device's free memory less what training needs beside the states
-    (device_reserve: activations, workspace, gradients in flight), host memory up to host_max_gib or
-    MemAvailable less a small reserve, the NVMe directory's free space up to nvme_max_gib."""
+                    nvme_max_gib: Optional[float]) -> dict:
+    """What each tier may take: the device's free memory (the optimizer sets aside what training needs
+    beside the states), host memory up to host_max_gib or MemAvailable less a small reserve, the NVMe
+    directory's free space up to nvme_max_gib."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        dev = free - device_reserve
+        dev = free
     else:
         dev = mem_available_bytes() // 2
     avail_host = mem_available_bytes()
