@@ -6,6 +6,7 @@
 set -u
 out=${1:-benchmarks/results}
 mkdir -p "$out"
+export ANGELGPT_BENCH_OUT="$out"
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 py=${PYTHON:-python3}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # scripts import angelgpt from the checkout
