@@ -27,7 +27,7 @@ from typing import Dict, List, Optional
 from angelgpt.config import Config
 from angelgpt.model.flops import flops_per_iteration, num_params
 from angelgpt.planner.layout import chunk_numels, rank_params
-from angelgpt.zero_cache.placement import STATES, place
+from angelgpt.zero_cache.placement import SLICE, STATES, place
 
 GIB = 1024 ** 3
 MODEL_BYTES = 2  # bf16 weights and gradients on GPU
@@ -189,7 +189,7 @@ def plan_zero_cache(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int
         uploads.remove(n)
     host = {
         "host_states": tb["host"],
-        "upload_buffers": 2 * max(uploads) * MODEL_BYTES if uploads else 0,
+        "upload_buffers": 2 * min(max(uploads), SLICE) * MODEL_BYTES if uploads else 0,
         "process": HOST_PROCESS,
     }
     mb = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)

@@ -45,7 +45,7 @@ from megatron.core import parallel_state
 from angelgpt.config import Config
 from angelgpt.train.optim import _no_weight_decay, clip_coefficient
 from angelgpt.zero_cache.pipeline import Profile, Streams
-from angelgpt.zero_cache.placement import STATES, partition, place, tier_bytes
+from angelgpt.zero_cache.placement import SLICE, STATES, partition, place, slices, tier_bytes
 from angelgpt.zero_cache.tiers import DeviceTier, HostTier, NVMeTier, available_bytes, check_capacity
 
 _nullcontext = contextlib.nullcontext
@@ -200,13 +200,13 @@ class ZeroCacheOptimizer:
         if self.nvme:
             self.tiers["nvme"] = self.nvme
         sizes = {t: [c.numel for c in self.chunks if (c.tier == "device") == (t == "device")] for t in ("device", "host")}
-        self.scratch = {t: self.tiers[t].allocate(max(n)) for t, n in sizes.items() if n}
+        self.scratch = {t: self.tiers[t].allocate(min(max(n), SLICE)) for t, n in sizes.items() if n}
         nvme_sizes = [c.numel for c in self.chunks if c.tier == "nvme"]
         if nvme_sizes:
             self.tiers["host"].bytes += self.nvme.reserve_staging(STATES * max(nvme_sizes))
         upload = [c.numel for c in self.chunks if c.tier != "device" and not self.partitioned[c.group]]
         # two pinned buffers in the model dtype carry updated weights to the device (double buffered)
-        self._upload = [torch.empty(max(upload), dtype=self.model_dtype, pin_memory=True)
+        self._upload = [torch.empty(min(max(upload), SLICE), dtype=self.model_dtype, pin_memory=True)
                         for _ in range(2)] if upload and on_cuda else []
         self._upload_done = [None, None]
         done = collections.Counter()
@@ -535,21 +535,23 @@ class ZeroCacheOptimizer:
         """Fused AdamW where the chunk lives; clipping rides in the kernel (grad_scale divides the
         gradient), so it costs no extra pass over memory."""
         lr, wd = hyper[0 if c.decay else 1]
-        c.step += 1
         scale = None if coef >= 1.0 else torch.full((), 1.0 / coef, dtype=torch.float32, device=grad.device)
         torch._fused_adamw_([states[0]], [grad], [states[1]], [states[2]], [], [c.step],
                             lr=lr, beta1=self.betas[0], beta2=self.betas[1],
                             weight_decay=wd, eps=self.eps, amsgrad=False, maximize=False, grad_scale=scale)
 
     def _update_on_device(self, c: Chunk, coef: float, hyper) -> None:
-        grad = self.scratch["device"][:c.numel]
-        grad.copy_(c.grad)
-        self._adamw(c, c.states, grad, hyper, coef)
+        c.step += 1
+        for lo, hi in slices(c.numel):
+            grad = self.scratch["device"][:hi - lo]
+            grad.copy_(c.grad[lo:hi])
+            self._adamw(c, c.states[:, lo:hi], grad, hyper, coef)
         for p, view in c.views(c.states[0]):
             p.data.copy_(view)
 
     def _update_off_device(self, gi: int, coef: float, hyper, after_backward) -> list:
-        """Worker thread: host and NVMe chunks of one sub-group; returns the events of their uploads."""
+        """Worker thread: host and NVMe chunks of one sub-group, a slice at a time (the fp32 gradient
+        scratch and the upload buffers hold one slice); returns the events of the uploads."""
         events = []
         for c in self.chunks_of[gi]:
             if c.tier == "device":
@@ -557,19 +559,18 @@ class ZeroCacheOptimizer:
             if c.grad_ready is not None:
                 c.grad_ready.synchronize()
             t0 = time.perf_counter()
-            grad = self.scratch["host"][:c.numel]
-            grad.copy_(c.grad)  # before an offloaded layer's new weights overwrite the buffer
-            if c.tier == "nvme":
-                states = self._nvme_states(c)
-            else:
-                states = c.states
-            t1 = time.perf_counter()
-            self._adamw(c, states, grad, hyper, coef)
-            self.profile.busy("cpu_optimizer", time.perf_counter() - t1)
-            if c.weights is not None:
-                c.weights.copy_(states[0])  # fetched from here before the layer next runs
-            else:
-                events.append(self._upload_master(c, states[0], after_backward))
+            states = self._nvme_states(c) if c.tier == "nvme" else c.states
+            c.step += 1
+            for lo, hi in slices(c.numel):
+                grad = self.scratch["host"][:hi - lo]
+                grad.copy_(c.grad[lo:hi])  # before an offloaded layer's new weights overwrite the buffer
+                t1 = time.perf_counter()
+                self._adamw(c, states[:, lo:hi], grad, hyper, coef)
+                self.profile.busy("cpu_optimizer", time.perf_counter() - t1)
+                if c.weights is not None:
+                    c.weights[lo:hi].copy_(states[0, lo:hi])  # fetched from here before the layer next runs
+                else:
+                    events.append(self._upload_master(c, states[0], lo, hi, after_backward))
             if c.tier == "nvme":
                 t2 = time.perf_counter()
                 NVMeTier.write(c.file, states.reshape(-1))
@@ -595,28 +596,36 @@ class ZeroCacheOptimizer:
         self.profile.busy("nvme", time.perf_counter() - t0, c.numel * STATES * 4)
         return out
 
-    def _upload_master(self, c: Chunk, master: torch.Tensor, after_backward):
-        """Updated weights into the model: on CUDA through a pinned buffer on the H2D stream (an event
-        to wait on); on CPU a plain copy."""
+    def _upload_master(self, c: Chunk, master: torch.Tensor, lo: int, hi: int, after_backward):
+        """Updated weights [lo, hi) of a chunk into the model: on CUDA through a pinned buffer on the
+        H2D stream (an event to wait on); on CPU a plain copy."""
         if not self.streams.cuda:
-            for p, view in c.views(master):
-                p.data.copy_(view)
+            for p, a, b, sa, sb in self._param_ranges(c, lo, hi):
+                p.data.view(-1)[a:b].copy_(master[sa:sb])
             return None
         slot = self._slot = 1 - getattr(self, "_slot", 1)
         if self._upload_done[slot] is not None:
             self._upload_done[slot].synchronize()  # the buffer's previous upload has left it
-        staging = self._upload[slot][:c.numel]
-        staging.copy_(master)
+        staging = self._upload[slot][:hi - lo]
+        staging.copy_(master[lo:hi])
         t0 = self.profile.start("h2d", self.streams.h2d)
         with torch.cuda.stream(self.streams.h2d):
             self.streams.h2d.wait_event(after_backward)  # backward has finished reading the old weights
-            for p, view in c.views(staging):
-                p.data.copy_(view, non_blocking=True)
+            for p, a, b, sa, sb in self._param_ranges(c, lo, hi):
+                p.data.view(-1)[a:b].copy_(staging[sa - lo:sb - lo], non_blocking=True)
             done = self.streams.h2d.record_event()
         self.profile.stop("h2d", t0, self.streams.h2d)
-        self.profile.add_bytes("h2d", c.numel * staging.element_size())
+        self.profile.add_bytes("h2d", (hi - lo) * staging.element_size())
         self._upload_done[slot] = done
         return done
+
+    @staticmethod
+    def _param_ranges(c: Chunk, lo: int, hi: int):
+        """(param, start, end in the param, start, end in the chunk) for the params overlapping [lo, hi)."""
+        for p, off, shape in zip(c.params, c.offsets, c.shapes):
+            a, b = max(lo, off), min(hi, off + shape.numel())
+            if a < b:
+                yield p, a - off, b - off, a, b
 
     def _complete(self, gi: int) -> None:
         """Makes sub-group gi's updated weights usable on the current stream (the forward pre-hook)."""

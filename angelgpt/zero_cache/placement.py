@@ -3,9 +3,17 @@ planner (`angelgpt plan`) computes exactly what the optimizer allocates without 
 
 from __future__ import annotations
 
+import os
 from typing import Dict, List
 
 STATES = 3  # fp32 master weights, exp_avg, exp_avg_sq
+# elements updated at a time: the fp32 gradient scratch and the upload buffers hold one slice
+SLICE = int(os.environ.get("ANGELGPT_ZERO_CACHE_SLICE", 1 << 26))
+
+
+def slices(numel: int):
+    """[lo, hi) ranges of at most SLICE elements covering a chunk."""
+    return [(lo, min(numel, lo + SLICE)) for lo in range(0, numel, SLICE)]
 
 
 def partition(numels: List[int], ranks: int) -> List[int]:
@@ -46,7 +54,7 @@ def tier_bytes(numels: List[int], tiers: List[str], grad_bytes: int) -> Dict[str
     for tier, members in (("device", ("device",)), ("host", ("host", "nvme"))):
         sizes = [n for n, t in zip(numels, tiers) if t in members]
         if sizes:
-            need[tier] += 4 * max(sizes)  # fp32 gradient scratch of the chunk being updated
+            need[tier] += 4 * min(max(sizes), SLICE)  # fp32 gradient scratch of the slice being updated
     nvme = [n for n, t in zip(numels, tiers) if t == "nvme"]
     if nvme:
         need["host"] += 2 * STATES * 4 * max(nvme)
@@ -57,7 +65,7 @@ def host_room_for_states(host_limit: float, numels: List[int], grad_bytes: int, 
     """Host bytes left for chunk states once the host's fixed share is set aside: every off-device
     gradient (at most all of them), the update scratch and, with NVMe, its two staging buffers."""
     largest = max(numels, default=0)
-    fixed = sum(n * grad_bytes for n in numels) + 4 * largest
+    fixed = sum(n * grad_bytes for n in numels) + 4 * min(largest, SLICE)
     if nvme_enabled:
         fixed += 2 * STATES * 4 * largest
     return host_limit - fixed

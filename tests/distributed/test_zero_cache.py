@@ -19,9 +19,9 @@ pytestmark = pytest.mark.distributed
 CHECK = Path(__file__).with_name("zero_cache_adamw_check.py")
 
 
-def adamw_check(tmp_path, nproc, *overrides):
+def adamw_check(tmp_path, nproc, *overrides, env_extra=None):
     out = tmp_path / "result.json"
-    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **(env_extra or {}))
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                            str(nproc), str(CHECK), str(out), *map(str, overrides)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -60,6 +60,17 @@ def test_update_equals_torch_adamw(tmp_path, dp, rate, nvme):
         # fp32 master + 2 moments + the owned gradient (fp32 on CPU) per owned parameter, plus scratch
         assert sum(r["allocated"].values()) >= 16 * r["owned_numel"]
     assert sum(r["owned_numel"] for r in ranks) == ranks[0]["total_numel"]  # each state owned once over DP
+
+
+def test_update_in_slices_equals_torch_adamw(tmp_path):
+    """Chunks updated a slice at a time (here 1000 elements, so slices cut through parameters), on the
+    device tier and on the host tier with offloaded weights, still equal torch AdamW."""
+    for rate, offload in ((0.5, "false"), (0.0, "true")):
+        ranks = adamw_check(tmp_path, 2, f"zero_cache.prefetch_cache_sub_group_rate={rate}",
+                            f"zero_cache.offload_params={offload}", env_extra={"ANGELGPT_ZERO_CACHE_SLICE": "1000"})
+        for r in ranks:
+            assert r["first_update_max_rel_err"] < 1e-6, r
+            assert r["three_updates_rel_err"] < 1e-6, r
 
 
 @pytest.mark.parametrize("dp", [1, 2])

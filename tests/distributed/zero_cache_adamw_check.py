@@ -70,12 +70,12 @@ def main():
         ref_opt.zero_grad()
         if step == 0:  # one update: every parameter on its own
             with opt.materialized():
-                first_err = max(((p - q).norm() / q.norm()).item()
+                first_err = max(((p.to(q.device) - q).norm() / q.norm()).item()
                                 for p, q in zip(model.parameters(), ref.parameters()))
     # after three updates the key biases, whose true gradient is zero, carry rounding noise that Adam
     # normalises into full steps, so the later updates are compared over the whole model
     with opt.materialized():  # offloaded layers' weights read from their host copies
-        diff = sum(((p - q) ** 2).sum() for p, q in zip(model.parameters(), ref.parameters())).sqrt()
+        diff = sum(((p.to(q.device) - q) ** 2).sum() for p, q in zip(model.parameters(), ref.parameters())).sqrt()
         err = (diff / sum((q ** 2).sum() for q in ref.parameters()).sqrt()).item()
     offloaded = [gi for gi, f in enumerate(opt.partitioned) if f]
     released = all(p.numel() == 0 for gi in offloaded for p in opt.sub_groups[gi])
