@@ -84,6 +84,13 @@ def run(cfg) -> float:
         raise ConfigError(f"tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size is "
                           f"{cfg.model.vocab_size}; set model.vocab_size={tokenizer.vocab_size}")
     model, optimizer, scheduler = build(cfg, on_gpu)
+    if on_gpu:
+        from angelgpt.parallel import print_rank_0
+
+        rate = getattr(optimizer, "rate", None)
+        print_rank_0(f"built model and optimizer: GPU {torch.cuda.memory_allocated() / 2**30:.2f} GiB allocated"
+                     + (f", zero_cache rate {rate:.2f}, device bytes {optimizer.allocated_bytes()}" if rate is not None
+                        else ""))
     gb = cfg.train.global_batch_size
     valid_samples = cfg.train.eval_iters * gb if cfg.train.eval_interval else 0
     train_ds, valid_ds = build_datasets(cfg, tokenizer, cfg.train.train_iters * gb, valid_samples)
