@@ -19,7 +19,7 @@ if [ "${1:-}" = adamw ]; then
       zero_cache.prefetch_cache_sub_group_rate=$1 $extra > "$work/adamw-cuda-$1-$2.log" 2>&1
   done
 fi
-timeout "$guard" python3 scripts/bench_peers.py run $cases --iters 6 --warmup 1 \
+timeout "$guard" python3 scripts/bench_peers.py run $cases --iters ${ITERS:-6} --warmup 1 \
   --extra zero_cache.is_communication_time_profiling=true > "$work/peers.log" 2>&1
 tar czf "$OUT/results.tgz" -C "$work" .
 grep -hE "^case:|profile|iteration +[0-9]+/|rror|wrote" "$work/peers.log" | cut -c1-330 | tail -45

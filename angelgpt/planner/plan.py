@@ -76,12 +76,19 @@ def activation_bytes(cfg: Config, recompute: Optional[bool] = None) -> int:
     return stored + logits
 
 
-def device_reserve(cfg: Config, largest_chunk: int, grad_bytes: int, offloaded: bool) -> int:
-    """Device memory ZeRO-Cache leaves beside its states and resident weights: activations, workspace,
-    gradients in flight, offloaded layers being used, prefetched or not yet freed by autograd, and a
-    headroom of GPU_HEADROOM of the device for the allocator."""
+def accumulating(cfg: Config, dp: int) -> bool:
+    """More than one micro batch per step: every gradient lives on the GPU until the last one."""
+    return cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp) > 1
+
+
+def device_reserve(cfg: Config, largest_chunk: int, grad_bytes: int, offloaded: bool, model_numel: int,
+                   dp: int) -> int:
+    """Device memory ZeRO-Cache needs beside its states and resident weights: activations, workspace,
+    gradients (those of every parameter while micro batches accumulate, else those in flight), and
+    offloaded layers being used, prefetched or not yet freed by autograd."""
     fetched = 3 * largest_chunk * grad_bytes if offloaded else 0
-    return activation_bytes(cfg) + WORKSPACE + 2 * largest_chunk * grad_bytes + fetched
+    grads = model_numel * grad_bytes if accumulating(cfg, dp) else 2 * largest_chunk * grad_bytes
+    return activation_bytes(cfg) + WORKSPACE + grads + fetched
 
 
 @dataclass
@@ -179,7 +186,8 @@ def plan_zero_cache(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int
     gpu = {
         "weights": resident * MODEL_BYTES,
         "fetched_weights": 3 * largest_layer * MODEL_BYTES if offloaded else 0,  # in use, prefetched, freeing
-        "gradients_in_flight": 2 * largest_layer * MODEL_BYTES,
+        # accumulated over micro batches (every parameter's), else only those between backward and offload
+        "gradients": model_numel * MODEL_BYTES if accumulating(cfg, dp) else 2 * largest_layer * MODEL_BYTES,
         "cached_states": tb["device"],
         "activations": activation_bytes(cfg),
         "workspace": WORKSPACE + CUDA_CONTEXT,

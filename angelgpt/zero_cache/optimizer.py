@@ -183,7 +183,8 @@ class ZeroCacheOptimizer:
         self.partitioned = flags
         if self.device.type == "cuda":  # what training needs beside the states, as the planner counts it
             largest = max(sum(self._n(p) for p in g) for g in self.sub_groups)
-            avail["device"] -= device_reserve(self.cfg, largest, grad_bytes, any(flags))
+            avail["device"] -= device_reserve(self.cfg, largest, grad_bytes, any(flags),
+                                              sum(self._n(p) for p in self.params), self.dp_size)
             avail["device"] -= int(GPU_HEADROOM * torch.cuda.mem_get_info(self.device)[1])
         # offloaded layers leave the device once their chunks exist, making room for the states
         avail["device"] += grad_bytes * sum(self._n(p) for gi, f in enumerate(flags) if f for p in self.sub_groups[gi])
