@@ -53,7 +53,7 @@ def predicted(size: str, overrides, machine_info: dict) -> dict:
     from dataclasses import replace
 
     from angelgpt.config import resolve
-    from angelgpt.planner.plan import GIB, MACHINES, plan_megatron, plan_zero_cache
+    from angelgpt.planner.plan import GIB, MACHINES, plan_for
 
     try:
         cfg = resolve(size, None, list(overrides))
@@ -62,7 +62,7 @@ def predicted(size: str, overrides, machine_info: dict) -> dict:
     hw = MACHINES["h200"]
     if machine_info.get("gpu_mem_gib"):
         hw = replace(hw, gpu_mem_gib=machine_info["gpu_mem_gib"])
-    p = plan_zero_cache(cfg, hw) if cfg.optim.optimizer == "zero_cache" else plan_megatron(cfg, hw)
+    p = plan_for(cfg, hw)
     return {"system": p.system, "rate": p.rate, "gpu_gib": round(p.gpu_total / GIB, 2),
             "host_gib": round(p.host_total / GIB, 2), "step_time_s": p.step_time_s,
             "bottleneck": p.bottleneck, "fits": p.fits}

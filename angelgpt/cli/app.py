@@ -110,6 +110,70 @@ def _detect_gpu(device: Optional[str]) -> bool:
     return available
 
 
+@app.command()
+def plan(
+    overrides: Optional[List[str]] = typer.Argument(None, help="KEY=VALUE config overrides (section.field)"),
+    size: Optional[str] = typer.Option(None, "--size", help="preset name"),
+    config: Optional[str] = typer.Option(None, "--config", help="YAML file layered over the preset"),
+    machine: str = typer.Option("h200", "--machine", help="known machine whose figures are the defaults"),
+    gpus_per_node: Optional[int] = typer.Option(None, "--gpus-per-node", min=1),
+    nodes: int = typer.Option(1, "--nodes", min=1),
+    gpu_mem: Optional[float] = typer.Option(None, "--gpu-mem", help="GiB per GPU"),
+    host_mem: Optional[float] = typer.Option(None, "--host-mem", help="GiB of host memory per node"),
+    nvme: Optional[float] = typer.Option(None, "--nvme", help="GiB of NVMe per node"),
+    pcie_gbs: Optional[float] = typer.Option(None, "--pcie-gbs", help="GB/s per GPU each way"),
+    nvme_gbs: Optional[float] = typer.Option(None, "--nvme-gbs"),
+    net_gbps: Optional[float] = typer.Option(None, "--net-gbps", help="collective GB/s per GPU"),
+    gpu_tflops: Optional[float] = typer.Option(None, "--gpu-tflops", help="achieved dense TFLOP/s per GPU"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON"),
+) -> None:
+    """Before launch: does the model fit, where does each state go, how fast, what bounds it
+    (ZeRO-Cache beside Megatron's distributed optimizer, its CPU offload and ZeRO-3 offload)."""
+    from angelgpt.model.flops import num_params
+    from angelgpt.planner import MACHINES, machine_from, plan as make_plan
+    from angelgpt.planner.report import render, to_json
+
+    if machine not in MACHINES:
+        fail(f"--machine must be one of {', '.join(MACHINES)}, got '{machine}'")
+    for name, value in (("--gpu-mem", gpu_mem), ("--host-mem", host_mem), ("--pcie-gbs", pcie_gbs),
+                        ("--nvme-gbs", nvme_gbs), ("--net-gbps", net_gbps), ("--gpu-tflops", gpu_tflops)):
+        if value is not None and not value > 0:
+            fail(f"{name} must be > 0, got {value}")
+    if nvme is not None and nvme < 0:
+        fail(f"--nvme must be >= 0, got {nvme}")
+    cfg = resolve(size, config, list(overrides or []))
+    hw = machine_from(machine, gpu_mem_gib=gpu_mem, host_mem_gib=host_mem, nvme_gib=nvme, pcie_gbs=pcie_gbs,
+                      nvme_gbs=nvme_gbs, net_gbps=net_gbps, gpu_tflops=gpu_tflops, gpus_per_node=gpus_per_node)
+    gpus = hw.gpus_per_node
+    plans = make_plan(cfg, hw, gpus, nodes)
+    if as_json:
+        print(json.dumps(to_json(cfg, hw, gpus, nodes, plans, num_params(cfg)), indent=2))
+    else:
+        print(render(cfg, hw, gpus, nodes, plans, num_params(cfg)))
+
+
+def _check_plan(cfg, nproc_per_node: int, nnodes: int, force: bool) -> None:
+    """On GPU: the planner with this machine's GPU and host memory; a plan that does not fit is
+    refused before anything is launched, unless --force."""
+    import torch
+
+    from angelgpt.planner.plan import GIB, MACHINES, plan_for
+    from angelgpt.zero_cache.tiers import mem_available_bytes
+    from dataclasses import replace
+
+    total = torch.cuda.get_device_properties(0).total_memory
+    hw = replace(MACHINES["h200"], gpus_per_node=nproc_per_node, gpu_mem_gib=total / GIB,
+                 host_mem_gib=mem_available_bytes() / GIB)
+    p = plan_for(cfg, hw, nproc_per_node, nnodes)
+    print(f"plan: {p.system} needs {p.gpu_total / GIB:.1f} GiB per GPU and {p.host_total / GIB:.1f} GiB of host "
+          f"memory per node; predicted {p.step_time_s:.2f} s per step, bound by {p.bottleneck}"
+          + (f"; rate {p.rate:.2f}" if p.rate is not None else ""), flush=True)
+    if not p.fits and not force:
+        short = ", ".join(f"{k} by {-v / GIB:.1f} GiB" for k, v in p.margin.items() if v < 0)
+        fail(f"the planner says this configuration does not fit ({p.system}: short of {short}); see "
+             f"`angelgpt plan`, or pass --force to launch anyway")
+
+
 @app.command(context_settings={"allow_extra_args": False})
 def train(
     overrides: Optional[List[str]] = typer.Argument(None, help="KEY=VALUE config overrides (section.field)"),
@@ -127,8 +191,9 @@ def train(
     metrics_file: Optional[str] = typer.Option(None, "--metrics-file", help="JSON-lines metrics output"),
     save: Optional[str] = typer.Option(None, "--save", help="checkpoint directory to save into"),
     load: Optional[str] = typer.Option(None, "--load", help="checkpoint directory to resume from"),
+    force: bool = typer.Option(False, "--force", help="launch even when the planner says it will not fit"),
 ) -> None:
-    """Resolve the config, print it and the parameter count, and launch torchrun workers."""
+    """Resolve the config, print it and the parameter count, check the plan, and launch torchrun workers."""
     from angelgpt.cli import launch
     from angelgpt.model.flops import num_params
 
@@ -168,6 +233,8 @@ def train(
     print(f"params: {params:,} ({params / 1e9:.3f}B) | world size {nproc_per_node * nnodes} = "
           f"TP {cfg.parallel.tensor_model_parallel_size} x PP {cfg.parallel.pipeline_model_parallel_size} x DP {dp}")
     print(f"torchrun command: {launch.format_command(cmd)}", flush=True)
+    if on_gpu:
+        _check_plan(cfg, nproc_per_node, nnodes, force)
     if dry_run:
         return
     rc = launch.run(cmd, launch.worker_env(on_gpu, nproc_per_node))

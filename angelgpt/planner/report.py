@@ -1,0 +1,49 @@
+"""Text and JSON forms of the planner's answer (what `angelgpt plan` prints)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Dict
+
+from angelgpt.planner.plan import GIB, Machine, SystemPlan, activation_bytes
+
+
+def _gib(b: float) -> str:
+    return f"{b / GIB:8.2f} GiB"
+
+
+def to_json(cfg, hw: Machine, gpus_per_node: int, nodes: int, plans: Dict[str, SystemPlan], params: int) -> dict:
+    return {"machine": asdict(hw), "gpus_per_node": gpus_per_node, "nodes": nodes, "params": params,
+            "activations_bytes": {"with_recompute": activation_bytes(cfg, True),
+                                  "without_recompute": activation_bytes(cfg, False)},
+            "plans": {k: p.to_dict() for k, p in plans.items()}}
+
+
+def render(cfg, hw: Machine, gpus_per_node: int, nodes: int, plans: Dict[str, SystemPlan], params: int) -> str:
+    m = cfg.model
+    lines = [f"model: {params / 1e9:.3f}B parameters ({m.num_layers} x {m.hidden_size}, seq {m.seq_length}), "
+             f"micro/global batch {cfg.train.micro_batch_size}/{cfg.train.global_batch_size}, "
+             f"TP {cfg.parallel.tensor_model_parallel_size} x PP {cfg.parallel.pipeline_model_parallel_size}",
+             f"machine: {nodes} x {gpus_per_node} GPUs ({hw.name}): {hw.gpu_mem_gib:.1f} GiB GPU, "
+             f"{hw.host_mem_gib:.0f} GiB host and {hw.nvme_gib:.0f} GiB NVMe per node, PCIe {hw.pcie_gbs:g} GB/s, "
+             f"NVMe {hw.nvme_gbs:g} GB/s, network {hw.net_gbps:g} GB/s, {hw.gpu_tflops:g} TFLOP/s, "
+             f"CPU AdamW {hw.cpu_adam_gparams:g} G params/s",
+             f"activations per micro batch: {activation_bytes(cfg, True) / GIB:.2f} GiB with full recompute, "
+             f"{activation_bytes(cfg, False) / GIB:.2f} GiB without (model.recompute={m.recompute})"]
+    for name, p in plans.items():
+        title = name + (f" (prefetch_cache_sub_group_rate {p.rate:.2f})" if p.rate is not None else "")
+        verdict = "fits" if p.fits else "DOES NOT FIT"
+        short = [k for k, v in p.margin.items() if v < 0]
+        lines += ["", f"== {title}: {verdict}" + (f" (short of {', '.join(short)})" if short else "")]
+        lines.append("  GPU per rank:")
+        lines += [f"    {k:<24}{_gib(v)}" for k, v in p.gpu_bytes.items() if v]
+        lines.append(f"    {'total':<24}{_gib(p.gpu_total)}   margin {p.margin['gpu'] / GIB:+.2f} GiB")
+        lines.append("  host per rank:")
+        lines += [f"    {k:<24}{_gib(v)}" for k, v in p.host_bytes.items() if v]
+        lines.append(f"    {'node total':<24}{_gib(p.host_total)}   margin {p.margin['host'] / GIB:+.2f} GiB")
+        if p.nvme_bytes:
+            lines.append(f"  NVMe per node: {_gib(p.nvme_bytes)}   margin {p.margin['nvme'] / GIB:+.2f} GiB")
+        parts = ", ".join(f"{k} {v:.2f}" for k, v in p.step_s.items() if v or k == "compute")
+        lines.append(f"  step: {p.step_time_s:.2f} s ({parts}; exposed beyond compute) -> "
+                     f"{p.tflops_per_gpu:.0f} model TFLOP/s/GPU, bound by {p.bottleneck}")
+    return "\n".join(lines)
