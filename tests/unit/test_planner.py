@@ -1,0 +1,90 @@
+"""The planner: its answers on committed H200 measurements, its refusals, and the `angelgpt plan` command.
+(Its per-tier bytes against ZeRO-Cache's allocator are checked in tests/distributed/test_zero_cache.py.)"""
+
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+
+from angelgpt.config import resolve
+from angelgpt.planner.plan import GIB, MACHINES, auto_plan, plan_for
+from tests.conftest import ROOT, run_cli
+from tests.unit.test_cli_errors import check_one_line_error
+
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def _config(result: dict):
+    """The config a bench result ran: its --size and KEY=VALUE overrides, from the recorded command."""
+    words = shlex.split(result["command"])
+    size = words[words.index("--size") + 1]
+    return resolve(size, overrides=[w for w in words if "=" in w and not w.startswith("-")])
+
+
+def _completed():
+    out = []
+    for f in sorted(RESULTS.glob("peers-*.json")):
+        r = json.loads(f.read_text())
+        if r["returncode"] == 0 and r.get("tflops_per_gpu_median"):
+            out.append(pytest.param(r, id=f.stem))
+    return out
+
+
+@pytest.mark.parametrize("result", _completed())
+def test_prediction_matches_the_h200_measurement(result):
+    """Peak GPU and host memory within 10%, step time within 20%, of what the H200 measured."""
+    assert "H200" in result["machine"]["gpu"]
+    p = plan_for(_config(result), MACHINES["h200"])
+    measured_step = result["elapsed_ms_median"] / 1000
+    assert abs(p.gpu_total / GIB - result["peak_gpu_gib"]) <= 0.10 * result["peak_gpu_gib"], p.gpu_bytes
+    assert abs(p.host_total / GIB - result["peak_host_gib"]) <= 0.10 * result["peak_host_gib"], p.host_bytes
+    assert abs(p.step_time_s - measured_step) <= 0.20 * measured_step, (p.step_s, measured_step)
+
+
+def test_at_least_three_configurations_are_measured():
+    systems = {(json.loads(json.dumps(p.values[0]))["name"]) for p in _completed()}
+    assert len(systems) >= 3, systems
+
+
+@pytest.mark.parametrize("result", [json.loads(f.read_text()) for f in sorted(RESULTS.glob("peers-*.json"))
+                                    if json.loads(f.read_text()).get("oom")], ids=lambda r: r["name"])
+def test_configurations_that_ran_out_of_memory_are_refused(result):
+    """What ran out of GPU memory on the H200 the planner (as it is now) says does not fit, at the
+    prefetch_cache_sub_group_rate that run used (recorded with it)."""
+    cfg = _config(result)
+    if cfg.optim.optimizer == "zero_cache":
+        cfg.zero_cache.prefetch_cache_sub_group_rate = result["predicted"]["rate"]
+    p = plan_for(cfg, MACHINES["h200"])
+    assert not p.fits, (result["name"], p.gpu_total / GIB, p.margin)
+
+
+def test_more_state_on_the_gpu_until_it_is_full():
+    """auto takes the largest rate that fits: everything on the GPU for a small model, less for a large one."""
+    small = auto_plan(resolve("h200-16b", overrides=["model.num_layers=6"]), MACHINES["h200"])
+    large = auto_plan(resolve("h200-16b", overrides=["model.num_layers=16"]), MACHINES["h200"])
+    assert small.rate == 1.0 and small.fits
+    assert 0.0 < large.rate < 1.0 and large.fits
+    assert large.margin["gpu"] >= 0 and large.margin["host"] >= 0
+
+
+def test_plan_command_prints_every_system(tmp_path):
+    proc = run_cli("plan", "--size", "h200-16b", "model.num_layers=12", "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert set(report["plans"]) == {"zero_cache", "megatron", "megatron_cpu_offload", "zero3_offload"}
+    zc = report["plans"]["zero_cache"]
+    assert zc["fits"] and zc["rate"] is not None and zc["bottleneck"]
+    assert zc["gpu_total"] == sum(zc["gpu_bytes"].values())
+    assert not report["plans"]["megatron"]["fits"]  # 9.9B with 18 B/param does not fit one H200
+    text = run_cli("plan", "--size", "h200-16b", "--machine", "a100-40gx8", "--host-mem", "1000")
+    assert text.returncode == 0 and "== zero_cache" in text.stdout and "bound by" in text.stdout
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--machine", "tpu"], "--machine must be one of"),
+    (["--gpu-mem", "0"], "--gpu-mem must be > 0"),
+    (["--size", "nope"], "nope"),
+])
+def test_plan_bad_input_is_one_line(args, needle):
+    check_one_line_error(run_cli("plan", *(["--size", "tiny"] if "--size" not in args else []), *args), needle)
