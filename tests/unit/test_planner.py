@@ -77,7 +77,8 @@ def test_plan_command_prints_every_system(tmp_path):
     assert zc["fits"] and zc["rate"] is not None and zc["bottleneck"]
     assert zc["gpu_total"] == sum(zc["gpu_bytes"].values())
     assert not report["plans"]["megatron"]["fits"]  # 9.9B with 18 B/param does not fit one H200
-    text = run_cli("plan", "--size", "h200-16b", "--machine", "a100-40gx8", "--host-mem", "1000")
+    text = run_cli("plan", "--size", "h200-16b", "--machine", "a100-40gx8", "--host-mem", "1000",
+                   "train.global_batch_size=16")
     assert text.returncode == 0 and "== zero_cache" in text.stdout and "bound by" in text.stdout
 
 
