@@ -167,6 +167,10 @@ class ZeroCacheConfig:
     """Keep the model-dtype weights of layers whose states are off the GPU in pinned host memory and
     fetch each layer just before it runs, releasing it after (ZeRO-3 parameter offload, prefetching the
     next layer); 'auto' turns it on with full activation recompute, which is when it saves GPU memory."""
+    accumulate_in_store: bool = False
+    """Reduce every micro batch's gradients to their owner and add them up in the store's gradient
+    buffers (device or pinned host), so the GPU holds only the gradients in flight rather than every
+    gradient until the last micro batch; costs a D2H copy and a host add per micro batch."""
     max_contigous_params_size: int = -1
     """Bytes of GPU memory for gathered/prefetched parameters; -1 means no limit."""
     prefetch_bucket_size: int = 50_000_000

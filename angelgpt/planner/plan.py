@@ -52,6 +52,7 @@ class Machine:
     gpu_tflops: float  # achieved dense bf16 rate on transformer layers (hardware FLOPs)
     cpu_adam_gparams: float  # fused CPU AdamW, G params/s per node
     cpu_update_gparams: float  # ZeRO-Cache's whole host update (gradient in, AdamW, weights out), G params/s
+    host_mem_gbs: float = 74.6  # host memory copy bandwidth, read + write, GB/s (measured on the H200 node)
 
 
 MACHINES: Dict[str, Machine] = {
@@ -79,9 +80,15 @@ def activation_bytes(cfg: Config, recompute: Optional[bool] = None) -> int:
     return stored + logits
 
 
+def micro_batches(cfg: Config, dp: int) -> int:
+    return cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
+
+
 def accumulating(cfg: Config, dp: int) -> bool:
-    """More than one micro batch per step: every gradient lives on the GPU until the last one."""
-    return cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp) > 1
+    """Several micro batches per step, added up on the GPU: every gradient lives there until the last
+    one (unless zero_cache.accumulate_in_store moves each micro batch's gradients to their owner)."""
+    return micro_batches(cfg, dp) > 1 and not (cfg.optim.optimizer == "zero_cache"
+                                                and cfg.zero_cache.accumulate_in_store)
 
 
 def device_reserve(cfg: Config, largest_chunk: int, grad_bytes: int, offloaded: bool, model_numel: int,
@@ -151,15 +158,23 @@ def offload_params_on(cfg: Config) -> bool:
 
 
 def rank_tier_bytes(cfg: Config, dp: int, dp_rank: int, rate: float, host_limit: float, use_nvme: bool,
-                    grad_bytes: int = MODEL_BYTES, pp_rank: int = 0):
+                    grad_bytes: int = MODEL_BYTES, pp_rank: int = 0):  # noqa: D417
     """Chunk sizes, tiers and bytes per tier of one rank's ZeRO-Cache store, as the optimizer places them,
     and the sizes of the chunks whose weights are offloaded (held in pinned host memory, not on the GPU)."""
     params = rank_params(cfg, pp_rank)
-    chunks = chunk_numels(params, dp, dp_rank)
     n_groups = len({p.sub_group for p in params})
-    groups, numels = [g for g, _ in chunks], [n for _, n in chunks]
-    tiers, flags, need = place(groups, numels, n_groups, float(rate), host_limit, use_nvme, grad_bytes,
-                               offload_params_on(cfg))
+    in_store = cfg.zero_cache.accumulate_in_store and micro_batches(cfg, dp) > 1
+
+    def placed(rank, allowed=None):
+        chunks = chunk_numels(params, dp, rank)
+        groups, numels = [g for g, _ in chunks], [n for _, n in chunks]
+        return (groups, numels, *place(groups, numels, n_groups, float(rate), host_limit, use_nvme, grad_bytes,
+                                       offload_params_on(cfg), in_store, allowed))
+
+    allowed = None
+    if dp > 1:  # a layer is offloaded on every rank or on none, as the optimizer agrees over DP
+        allowed = [all(fs) for fs in zip(*(placed(r)[3] for r in range(dp)))]
+    groups, numels, tiers, flags, need = placed(dp_rank, allowed)
     offloaded = [n for g, n in zip(groups, numels) if flags[g]]
     return numels, tiers, need, offloaded
 
@@ -218,6 +233,11 @@ def plan_zero_cache(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int
     network = 0.0
     if dp > 1:  # fp32 reduce-scatter in backward, bf16 all-gather before forward
         network = (dp - 1) / dp * model_numel * (4 + MODEL_BYTES) / (hw.net_gbps * 1e9)
+    accumulate = 0.0
+    if cfg.zero_cache.accumulate_in_store and mb > 1:  # per micro batch: D2H, and a host add (6 B/param)
+        per_mb = max(off_numel * MODEL_BYTES / (hw.pcie_gbs * 1e9),
+                     off_numel * 3 * MODEL_BYTES * ranks_per_node / (hw.host_mem_gbs * 1e9))
+        accumulate = (mb - 1) * max(0.0, per_mb - compute / mb)
     update = max(cpu, nvme_io)  # NVMe reads and writes are double buffered beside the CPU update
     exposed_update = max(0.0, update - fwd_first) if zc.pipeline_optimizer else update
     step = {
@@ -225,6 +245,7 @@ def plan_zero_cache(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int
         "pcie_d2h": max(0.0, d2h - bwd_last),
         "cpu_optimizer": exposed_update if cpu >= nvme_io else 0.0,
         "nvme_io": exposed_update if nvme_io > cpu else 0.0,
+        "host_accumulate": accumulate,
         # pipelined, only the last chunk's upload waits; otherwise every upload does
         "pcie_h2d": h2d / max(1, len(off_device)) if zc.pipeline_optimizer else h2d,
         "network": max(0.0, network - compute / 2),

@@ -105,6 +105,7 @@ class ZeroCacheOptimizer:
         self.max_reduce_events = zc.max_param_reduce_events
         self.num_microbatches = cfg.train.global_batch_size // (cfg.train.micro_batch_size * self.dp_size)
         self.recompute = cfg.model.recompute == "full"
+        self.accumulate = zc.accumulate_in_store and self.num_microbatches > 1
         rate = zc.prefetch_cache_sub_group_rate
         if rate == "auto":
             from angelgpt.planner import auto_rate
@@ -158,6 +159,7 @@ class ZeroCacheOptimizer:
         self._allocate()
         self._release_offloaded()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero-cache-update")
+        self._accumulator = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero-cache-accumulate")
         self._prefetcher = ThreadPoolExecutor(max_workers=1) if self.nvme else None
         self._pending: Dict[int, Future] = {}  # sub-group -> its update in flight (events to wait on)
         self._needs_gather: set = set()
@@ -172,19 +174,21 @@ class ZeroCacheOptimizer:
         grad_bytes = self.params[0].element_size()
         avail = available_bytes(self.device, zc.host_max_gib, zc.nvme_path, zc.nvme_max_gib)
         numels = [c.numel for c in self.chunks]
-        tiers, flags, needed = place([c.group for c in self.chunks], numels, len(self.sub_groups), self.rate,
-                                     avail["host"], bool(zc.nvme_path), grad_bytes, self._offload_params_on(zc))
-        for c, t in zip(self.chunks, tiers):
-            c.tier = t
+        args = ([c.group for c in self.chunks], numels, len(self.sub_groups), self.rate, avail["host"],
+                bool(zc.nvme_path), grad_bytes, self._offload_params_on(zc), self.accumulate)
+        tiers, flags, needed = place(*args)
         if self.dp_size > 1:  # a layer is fetched (and all-gathered) on every rank or on none
             t = torch.tensor([float(f) for f in flags], device=self.device)
             dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
-            flags = [bool(v) for v in t.tolist()]
+            tiers, flags, needed = place(*args, allowed=[bool(v) for v in t.tolist()])
+        for c, t in zip(self.chunks, tiers):
+            c.tier = t
         self.partitioned = flags
         if self.device.type == "cuda":  # what training needs beside the states, as the planner counts it
             largest = max(sum(self._n(p) for p in g) for g in self.sub_groups)
             avail["device"] -= device_reserve(self.cfg, largest, grad_bytes, any(flags),
                                               sum(self._n(p) for p in self.params), self.dp_size)
+            # (device_reserve counts every gradient when micro batches accumulate on the GPU)
             avail["device"] -= int(GPU_HEADROOM * torch.cuda.mem_get_info(self.device)[1])
         # offloaded layers leave the device once their chunks exist, making room for the states
         avail["device"] += grad_bytes * sum(self._n(p) for gi, f in enumerate(flags) if f for p in self.sub_groups[gi])
@@ -210,6 +214,15 @@ class ZeroCacheOptimizer:
         self._upload = [torch.empty(min(max(upload), SLICE), dtype=self.model_dtype, pin_memory=True)
                         for _ in range(2)] if upload and on_cuda else []
         self._upload_done = [None, None]
+        self._acc_slots, self._acc_busy = [], [None, None]
+        if self.accumulate:  # two pinned slots carry a later micro batch's gradients to the host add
+            per_group = collections.Counter()
+            for c in self.chunks:
+                if c.tier != "device":
+                    per_group[c.group] += c.numel
+            if per_group:
+                self._acc_slots = [self.tiers["host"].allocate(max(per_group.values()), self.model_dtype, pinned=True)
+                                   for _ in range(2)]
         done = collections.Counter()
         for c in reversed(self.chunks):  # last layers first: offloaded ones leave the device before states arrive
             grad_tier = self.tiers["device" if c.tier == "device" else "host"]
@@ -219,7 +232,10 @@ class ZeroCacheOptimizer:
             # the owned weights reach the chunk through its gradient buffer (pinned when it is on the host)
             for p, view in c.views(c.grad):
                 view.copy_(p.detach())
-            if self.partitioned[c.group]:
+            if self.partitioned[c.group] and self.accumulate:  # gradients arrive from the first micro batch on
+                c.weights = self.tiers["host"].allocate(c.numel, self.model_dtype, pinned=True)
+                c.weights.copy_(c.grad)
+            elif self.partitioned[c.group]:
                 c.weights = c.grad  # holds the weights until the last backward's gradients replace them
             if c.tier == "nvme":
                 c.file = self.nvme.create(c.key, STATES * c.numel)
@@ -381,33 +397,43 @@ class ZeroCacheOptimizer:
         self._offloaded = [False] * len(self.sub_groups)
         self._sq = torch.zeros((), dtype=torch.float32, device=self.device)
         self._in_flight = collections.deque()
+        self._micro = collections.Counter()  # micro batches of each sub-group offloaded so far
+        self._host_sq: List[Future] = []  # host adds of the last micro batch, each giving its squared norm
 
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         """Post-accumulate hook: a sub-group whose gradients are final is reduced and offloaded now."""
         gi = self.group_of[id(p)]
         self._accumulated[id(p)] += 1
-        if self._accumulated[id(p)] == self.num_microbatches:
+        if not self.accumulate and self._accumulated[id(p)] == self.num_microbatches:
             self._left[gi] -= 1
             if self._left[gi] == 0:
                 self._offload(gi)
-        if self.partitioned[gi]:  # this micro batch is done with the layer's weights
-            self._seen[gi] += 1
-            if self._seen[gi] == len(self.sub_groups[gi]):
-                self._seen[gi] = 0
+        self._seen[gi] += 1
+        if self._seen[gi] == len(self.sub_groups[gi]):  # this micro batch is done with the sub-group
+            self._seen[gi] = 0
+            if self.accumulate:
+                self._offload(gi)
+            if self.partitioned[gi]:
                 self._release(gi)
 
     # -- gradients: reduce to the owner, offload, release -----------------------------------------
     @torch.no_grad()
-    def _offload(self, gi: int) -> None:
+    def _offload(self, gi: int, last: bool = False) -> None:
+        """This micro batch's (or, not accumulating in the store, the step's) gradients of a sub-group
+        go to their owner's chunk; the model's gradients are released."""
         if self._offloaded[gi]:
             return
-        self._offloaded[gi] = True
-        self._complete(gi)  # never overwrite a chunk's gradient before its last update read it
+        first = self._micro[gi] == 0
+        self._micro[gi] += 1
+        last = last or not self.accumulate or self._micro[gi] >= self.num_microbatches
+        self._offloaded[gi] = last
+        if first:
+            self._complete(gi)  # never overwrite a chunk's gradient before its last update read it
         group = self.sub_groups[gi]
         if self.dp_size == 1:
             self._to_owner(gi, [(p, p.grad if p.grad is not None else
                                  torch.zeros(self.shape[id(p)], dtype=self.model_dtype, device=self.device))
-                                for p in group])
+                                for p in group], first, last)
             for p in group:
                 self._drop_grad(p)
             return
@@ -428,12 +454,12 @@ class ZeroCacheOptimizer:
         else:
             work = dist.all_reduce(flat, group=self.group, async_op=True)
             mine = flat[self.dp_rank * seg:(self.dp_rank + 1) * seg]
-        self._in_flight.append((gi, work, mine, t0))
+        self._in_flight.append((gi, work, mine, t0, first, last))
         while len(self._in_flight) > self.max_reduce_events:
             self._finish_reduce()
 
     def _finish_reduce(self) -> None:
-        gi, work, mine, t0 = self._in_flight.popleft()
+        gi, work, mine, t0, first, last = self._in_flight.popleft()
         work.wait()
         self.profile.stop("reduce_scatter", t0)
         mine.div_(self.dp_size)
@@ -442,15 +468,20 @@ class ZeroCacheOptimizer:
         for p in per_rank[self.dp_rank]:
             grads.append((p, mine[off:off + self._n(p)].view(self.shape[id(p)])))
             off += self._n(p)
-        self._to_owner(gi, grads)
+        self._to_owner(gi, grads, first, last)
 
-    def _to_owner(self, gi: int, grads) -> None:
-        """Squared norm (on the device, no sync) and copy of owned gradients into their chunks."""
+    def _to_owner(self, gi: int, grads, first: bool = True, last: bool = True) -> None:
+        """Owned gradients into their chunks, and their squared norm (on the device, no sync). The
+        first micro batch copies; later ones (accumulate_in_store) add: on the device for device
+        chunks, through a pinned slot and the accumulator thread for host ones, which also takes the
+        norm of the sum after the last micro batch."""
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
+        if not first:
+            return self._accumulate(gi, grads, last)
         where = {id(p): (c, off) for c in self.chunks_of[gi] for p, off in zip(c.params, c.offsets)}
         for p, g in grads:
-            if param_is_not_tensor_parallel_duplicate(p):
+            if last and param_is_not_tensor_parallel_duplicate(p):
                 self._sq += torch.linalg.vector_norm(g, dtype=torch.float32).square()
         if not self.streams.cuda:
             for p, g in grads:
@@ -470,6 +501,64 @@ class ZeroCacheOptimizer:
                 c.grad_ready = self.streams.d2h.record_event()
         self.profile.stop("d2h", t0, self.streams.d2h)
 
+    def _accumulate(self, gi: int, grads, last: bool) -> None:
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+        where = {id(p): (c, off) for c in self.chunks_of[gi] for p, off in zip(c.params, c.offsets)}
+        host = []
+        for p, g in grads:
+            c, off = where[id(p)]
+            view = c.grad[off:off + self._n(p)]
+            if c.tier == "device":
+                view.add_(g.reshape(-1))
+                if last and param_is_not_tensor_parallel_duplicate(p):
+                    self._sq += torch.linalg.vector_norm(view, dtype=torch.float32).square()
+            else:
+                host.append((p, g, view))
+        if not host:
+            return
+        slot = self._acc_slot = 1 - getattr(self, "_acc_slot", 1)
+        if self._acc_busy[slot] is not None:
+            self._acc_busy[slot].result()  # the slot's previous add is done with it
+        staging, off, jobs = self._acc_slots[slot], 0, []
+        ready = None
+        if self.streams.cuda:
+            produced = torch.cuda.current_stream(self.device).record_event()
+            t0 = self.profile.start("d2h", self.streams.d2h)
+            with torch.cuda.stream(self.streams.d2h):
+                self.streams.d2h.wait_event(produced)
+                for p, g, view in host:
+                    staging[off:off + g.numel()].copy_(g.reshape(-1), non_blocking=True)
+                    g.record_stream(self.streams.d2h)
+                    jobs.append((view, off, param_is_not_tensor_parallel_duplicate(p)))
+                    off += g.numel()
+                ready = self.streams.d2h.record_event()
+            self.profile.stop("d2h", t0, self.streams.d2h)
+            self.profile.add_bytes("d2h", off * staging.element_size())
+        else:
+            for p, g, view in host:
+                staging[off:off + g.numel()].copy_(g.reshape(-1))
+                jobs.append((view, off, param_is_not_tensor_parallel_duplicate(p)))
+                off += g.numel()
+        fut = self._accumulator.submit(self._host_add, staging, jobs, ready, last)
+        self._acc_busy[slot] = fut
+        if last:
+            self._host_sq.append(fut)
+
+    def _host_add(self, staging: torch.Tensor, jobs, ready, last: bool) -> float:
+        """Accumulator thread: adds a staged micro batch into host gradient buffers; after the last
+        micro batch returns the squared norm of the sums."""
+        if ready is not None:
+            ready.synchronize()
+        t0 = time.perf_counter()
+        sq = 0.0
+        for view, off, counted in jobs:
+            view.add_(staging[off:off + view.numel()])
+            if last and counted:
+                sq += float(torch.linalg.vector_norm(view, dtype=torch.float32)) ** 2
+        self.profile.busy("host_accumulate", time.perf_counter() - t0)
+        return sq
+
     def _drop_grad(self, p: torch.nn.Parameter) -> None:
         if p.grad is not None and self.streams.cuda:
             p.grad.record_stream(self.streams.d2h)
@@ -479,9 +568,16 @@ class ZeroCacheOptimizer:
         """Offloads what no hook offloaded (a parameter without a gradient, a partial last micro batch)."""
         for gi in range(len(self.sub_groups)):
             if not self._offloaded[gi]:
-                self._offload(gi)
+                self._offload(gi, last=True)
         while self._in_flight:
             self._finish_reduce()
+        if self._host_sq:  # the last micro batch's host adds, and the norm of what they summed
+            self._sq += sum(f.result() for f in self._host_sq)
+            self._host_sq = []
+        for i, fut in enumerate(self._acc_busy):
+            if fut is not None:
+                fut.result()
+                self._acc_busy[i] = None
 
     # -- the step -----------------------------------------------------------------------------
     def zero_grad(self) -> None:
@@ -744,6 +840,7 @@ class ZeroCacheOptimizer:
     def close(self) -> None:
         self.wait_all()
         self._worker.shutdown()
+        self._accumulator.shutdown()
         if self._prefetcher:
             self._prefetcher.shutdown()
         for h in self._handles:

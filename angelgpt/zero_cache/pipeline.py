@@ -26,7 +26,8 @@ class Streams:
 
 
 class Profile:
-    BUSY = ("reduce_scatter", "all_gather", "d2h", "h2d", "fetch", "nvme", "cpu_optimizer", "update_thread")
+    BUSY = ("reduce_scatter", "all_gather", "d2h", "h2d", "fetch", "nvme", "host_accumulate", "cpu_optimizer",
+            "update_thread")
     EXPOSED = ("wait_update", "wait_fetch", "step")
 
     def __init__(self, device: torch.device, enabled: bool):

@@ -82,8 +82,21 @@ def offloaded_layers(chunk_groups: List[int], tiers: List[str], n_groups: int, e
     return flags
 
 
+def accumulation_bytes(groups: List[int], numels: List[int], tiers: List[str], flags: List[bool],
+                       grad_bytes: int) -> int:
+    """Host bytes that accumulating in the store adds: two pinned staging slots of the largest
+    sub-group's off-device gradients, and offloaded layers' weights in their own buffers (their
+    gradient buffers fill from the first micro batch on, while later ones still fetch the weights)."""
+    per_group: Dict[int, int] = {}
+    for g, n, t in zip(groups, numels, tiers):
+        if t != "device":
+            per_group[g] = per_group.get(g, 0) + n
+    weights = sum(n for g, n in zip(groups, numels) if flags[g])
+    return grad_bytes * (2 * max(per_group.values(), default=0) + weights)
+
+
 def place(groups: List[int], numels: List[int], n_groups: int, rate: float, host_limit: float, nvme_enabled: bool,
-          grad_bytes: int, offload_params: bool):
+          grad_bytes: int, offload_params: bool, accumulate_in_store: bool = False, allowed=None):
     """Tiers per chunk, offloaded-weights flag per sub-group and bytes per tier. With NVMe, what the
     host cannot hold goes there: the host budget for states shrinks until everything on the host
     (states, gradients, scratch, staging) fits, or nothing more can move. An offloaded layer's weights
@@ -93,7 +106,11 @@ def place(groups: List[int], numels: List[int], n_groups: int, rate: float, host
     while True:
         tiers = plan_tiers([n * 4 * STATES for n in numels], rate, room, nvme_enabled)
         flags = offloaded_layers(groups, tiers, n_groups, offload_params)
+        if allowed is not None:  # over DP a layer is offloaded on every rank or on none
+            flags = [f and a for f, a in zip(flags, allowed)]
         need = tier_bytes(numels, tiers, grad_bytes)  # an offloaded layer's weights share its gradient buffer
+        if accumulate_in_store:
+            need["host"] += accumulation_bytes(groups, numels, tiers, flags, grad_bytes)
         over = need["host"] - host_limit
         if not nvme_enabled or over <= 0 or room <= 0:
             return tiers, flags, need

@@ -74,6 +74,27 @@ def test_update_in_slices_equals_torch_adamw(tmp_path):
 
 
 @pytest.mark.parametrize("dp", [1, 2])
+def test_accumulating_in_the_store_equals_torch_adamw(tmp_path, dp):
+    """accumulate_in_store: three backward passes per step, each one's gradients reduced and added
+    up in the store (device chunks, host chunks, offloaded layers) as it ends; the updates still
+    equal torch AdamW on the summed gradients, and so does the same run without it."""
+    for extra in (["zero_cache.accumulate_in_store=true"], []):
+        rate = 0.25 if dp == 1 else 0.3  # some chunks on the device, and layers with every chunk off it
+        ranks = adamw_check(tmp_path, dp, f"zero_cache.prefetch_cache_sub_group_rate={rate}",
+                            "zero_cache.offload_params=true", *extra, env_extra={"ANGELGPT_CHECK_MICROBATCHES": "3"})
+        for r in ranks:
+            assert r["first_update_max_rel_err"] < 1e-6, (extra, r)
+            assert r["three_updates_rel_err"] < 1e-6, (extra, r)
+            assert set(r["tiers"]) == {"device", "host"} and r["offloaded_layers"], r
+            cfg = resolve("tiny", overrides=["optim.optimizer=zero_cache", "train.micro_batch_size=2",
+                                             f"train.global_batch_size={6 * dp}", "zero_cache.offload_params=true",
+                                             *extra])
+            predicted = rank_tier_bytes(cfg, dp, r["rank"], rate, 1 << 50, False, grad_bytes=4)[2]
+            for tier in ("device", "host"):  # staging slots and separate weight copies included
+                assert r["allocated"][tier] == predicted[tier], (extra, tier, r["allocated"], predicted)
+
+
+@pytest.mark.parametrize("dp", [1, 2])
 @pytest.mark.parametrize("nvme", [False, True], ids=["no-nvme", "nvme"])
 def test_offloaded_weights_update_equals_torch_adamw(tmp_path, dp, nvme):
     """offload_params: layers whose states are off the device keep their weights on the host, are
@@ -104,10 +125,11 @@ def test_trajectory_follows_megatron_optimizer(tmp_path, layout):
     ref = train_tiny(tmp_path, "megatron", "train.train_iters=20", *extra, nproc=nproc)
     zc = train_tiny(tmp_path, "zc", "train.train_iters=20", "optim.optimizer=zero_cache",
                     "zero_cache.prefetch_cache_sub_group_rate=0.5", *extra, nproc=nproc)
-    # every layer's states on the host, weights offloaded and fetched per micro batch
+    # every layer's states on the host, weights offloaded and fetched per micro batch,
+    # and each micro batch's gradients reduced and added up in the store as it ends
     offload = train_tiny(tmp_path, "zc-offload", "train.train_iters=20", "optim.optimizer=zero_cache",
                          "zero_cache.prefetch_cache_sub_group_rate=0.0", "zero_cache.offload_params=true",
-                         *extra, nproc=nproc)
+                         "zero_cache.accumulate_in_store=true", *extra, nproc=nproc)
     for run in (zc, offload):
         for a, b in zip(ref, run):
             assert math.isclose(a["lm_loss"], b["lm_loss"], rel_tol=1e-5), (a["iteration"], a["lm_loss"], b["lm_loss"])

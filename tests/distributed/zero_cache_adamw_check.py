@@ -29,7 +29,10 @@ def main():
     from angelgpt.train.optim import param_groups
     from angelgpt.zero_cache.optimizer import ZeroCacheOptimizer
 
+    micro = int(os.environ.get("ANGELGPT_CHECK_MICROBATCHES", "1"))  # backward passes per step
+    dp_size = int(os.environ.get("WORLD_SIZE", "1"))
     cfg = resolve("tiny", overrides=["optim.optimizer=zero_cache", "optim.clip_grad=0.5", "optim.weight_decay=0.1",
+                                     "train.micro_batch_size=2", f"train.global_batch_size={2 * dp_size * micro}",
                                      *overrides])
     on_gpu = os.environ.get("ANGELGPT_CHECK_DEVICE") == "cuda"  # fp32 model on CUDA: device tier on the GPU
     parallel.initialize(1, 1, on_gpu=on_gpu)
@@ -39,8 +42,7 @@ def main():
     torch.manual_seed(0)
     ref = build_gpt(cfg, on_gpu=False).to(device)  # the same weights: CPU init draws them from the seed
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
-    opt = ZeroCacheOptimizer(model, cfg, device)
-    opt.num_microbatches = 1  # one backward per step here: the hooks offload each layer during it
+    opt = ZeroCacheOptimizer(model, cfg, device)  # the hooks offload each layer during the backward passes
     o = cfg.optim
     ref_opt = torch.optim.AdamW(param_groups(ref, o.weight_decay), lr=o.lr, betas=(o.adam_beta1, o.adam_beta2),
                                 eps=o.adam_eps, weight_decay=o.weight_decay)
@@ -51,11 +53,12 @@ def main():
     for step, lr in enumerate(lrs):
         for g in opt.param_groups + ref_opt.param_groups:
             g["lr"] = lr
-        gen = torch.Generator().manual_seed(100 + 10 * step + rank)
-        tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_length), generator=gen).to(device)
-        pos = torch.arange(cfg.model.seq_length, device=device).expand(2, -1)
-        for m in (model, ref):
-            m(tokens, pos, None, labels=tokens).mean().backward()
+        for k in range(micro):
+            gen = torch.Generator().manual_seed(100 + 10 * step + rank + 1000 * k)
+            tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_length), generator=gen).to(device)
+            pos = torch.arange(cfg.model.seq_length, device=device).expand(2, -1)
+            for m in (model, ref):
+                (m(tokens, pos, None, labels=tokens).mean() / micro).backward()
         for p in ref.parameters():  # reference: the DP-averaged gradient on an unsharded copy
             dist.all_reduce(p.grad)
             p.grad /= dp
