@@ -118,7 +118,8 @@ def test_offloaded_weights_update_equals_torch_adamw(tmp_path, dp, nvme):
             assert r["allocated"].get(tier, 0) == predicted[tier], (tier, r["allocated"], predicted)
 
 
-@pytest.mark.parametrize("layout", [("dp2", 2, []), ("tp2", 2, ["parallel.tensor_model_parallel_size=2"])],
+@pytest.mark.parametrize("layout", [("dp2", 2, []), ("tp2", 2, ["parallel.tensor_model_parallel_size=2"]),
+                                    ("tp2dp2", 4, ["parallel.tensor_model_parallel_size=2"])],
                          ids=lambda x: x[0])
 def test_trajectory_follows_megatron_optimizer(tmp_path, layout):
     name, nproc, extra = layout
