@@ -42,6 +42,9 @@ def worker_env(on_gpu: bool, nproc_per_node: int) -> dict:
     env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, nproc_per_node))))
     env.setdefault("PYTHONWARNINGS", "ignore")
+    # workers sharing torchrun's rendezvous store read the previous attempt's addresses after a
+    # restart (pytorch/pytorch#135712); their own store keeps --max-restarts working
+    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     return env
 
 
