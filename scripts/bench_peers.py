@@ -40,8 +40,10 @@ LABEL = {"megatron": "(a) Megatron distributed optimizer", "megatron_cpu_offload
 
 def parse_case(text: str):
     parts = text.split(":")
-    if parts[0] not in SYSTEMS or len(parts) < 2 or not all(p.isdigit() for p in parts[1:]):
-        raise SystemExit(f"bench_peers: bad case '{text}': SYSTEM:LAYERS[:MICRO[:GLOBAL]], SYSTEM in {list(SYSTEMS)}")
+    if parts[0] not in SYSTEMS or not 2 <= len(parts) <= 4 or not all(p.isdigit() and int(p) > 0 for p in parts[1:]):
+        print(f"bench_peers: bad case '{text}': SYSTEM:LAYERS[:MICRO[:GLOBAL]] with SYSTEM one of "
+              f"{', '.join(SYSTEMS)} and positive numbers", file=sys.stderr)
+        raise SystemExit(2)
     layers, mb, gb = int(parts[1]), int(parts[2]) if len(parts) > 2 else 4, int(parts[3]) if len(parts) > 3 else 32
     return parts[0], layers, mb, gb
 

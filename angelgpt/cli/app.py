@@ -157,13 +157,9 @@ def _check_plan(cfg, nproc_per_node: int, nnodes: int, force: bool) -> None:
     refused before anything is launched, unless --force."""
     import torch
 
-    from angelgpt.planner.plan import GIB, MACHINES, plan_for
-    from angelgpt.zero_cache.tiers import mem_available_bytes
-    from dataclasses import replace
+    from angelgpt.planner.plan import GIB, plan_for, this_machine
 
-    total = torch.cuda.get_device_properties(0).total_memory
-    hw = replace(MACHINES["h200"], gpus_per_node=nproc_per_node, gpu_mem_gib=total / GIB,
-                 host_mem_gib=mem_available_bytes() / GIB)
+    hw = this_machine(cfg, torch.cuda.get_device_properties(0).total_memory, nproc_per_node)
     p = plan_for(cfg, hw, nproc_per_node, nnodes)
     print(f"plan: {p.system} needs {p.gpu_total / GIB:.1f} GiB per GPU and {p.host_total / GIB:.1f} GiB of host "
           f"memory per node; predicted {p.step_time_s:.2f} s per step, bound by {p.bottleneck}"

@@ -158,7 +158,7 @@ def offload_params_on(cfg: Config) -> bool:
 
 
 def rank_tier_bytes(cfg: Config, dp: int, dp_rank: int, rate: float, host_limit: float, use_nvme: bool,
-                    grad_bytes: int = MODEL_BYTES, pp_rank: int = 0):  # noqa: D417
+                    grad_bytes: int = MODEL_BYTES, pp_rank: int = 0):
     """Chunk sizes, tiers and bytes per tier of one rank's ZeRO-Cache store, as the optimizer places them,
     and the sizes of the chunks whose weights are offloaded (held in pinned host memory, not on the GPU)."""
     params = rank_params(cfg, pp_rank)
@@ -225,18 +225,17 @@ def plan_zero_cache(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int
     host_numel = sum(n for n, t in zip(numels, tiers) if t == "host")
     nvme_numel = sum(n for n, t in zip(numels, tiers) if t == "nvme")
     off_numel = host_numel + nvme_numel
-    ranks_per_node = gpus_per_node
     d2h = off_numel * MODEL_BYTES / (hw.pcie_gbs * 1e9)
     h2d = off_numel * MODEL_BYTES / (hw.pcie_gbs * 1e9)
-    cpu = off_numel * ranks_per_node / (hw.cpu_update_gparams * 1e9)
-    nvme_io = 2 * nvme_numel * STATES * 4 * ranks_per_node / (hw.nvme_gbs * 1e9)
+    cpu = off_numel * gpus_per_node / (hw.cpu_update_gparams * 1e9)
+    nvme_io = 2 * nvme_numel * STATES * 4 * gpus_per_node / (hw.nvme_gbs * 1e9)
     network = 0.0
     if dp > 1:  # fp32 reduce-scatter in backward, bf16 all-gather before forward
         network = (dp - 1) / dp * model_numel * (4 + MODEL_BYTES) / (hw.net_gbps * 1e9)
     accumulate = 0.0
     if cfg.zero_cache.accumulate_in_store and mb > 1:  # per micro batch: D2H, and a host add (6 B/param)
         per_mb = max(off_numel * MODEL_BYTES / (hw.pcie_gbs * 1e9),
-                     off_numel * 3 * MODEL_BYTES * ranks_per_node / (hw.host_mem_gbs * 1e9))
+                     off_numel * 3 * MODEL_BYTES * gpus_per_node / (hw.host_mem_gbs * 1e9))
         accumulate = (mb - 1) * max(0.0, per_mb - compute / mb)
     update = max(cpu, nvme_io)  # NVMe reads and writes are double buffered beside the CPU update
     exposed_update = max(0.0, update - fwd_first) if zc.pipeline_optimizer else update
@@ -341,6 +340,17 @@ def machine_from(name: Optional[str], **overrides) -> Machine:
     return replace(hw, **{k: v for k, v in overrides.items() if v is not None})
 
 
+def this_machine(cfg: Config, gpu_total_bytes: int, gpus_per_node: int) -> Machine:
+    """The H200 node's figures with this machine's GPU memory, and the host memory and NVMe space that
+    ZeRO-Cache's capacity check will allow here (no CUDA call: the launcher uses it too)."""
+    from angelgpt.zero_cache.tiers import host_bytes, nvme_bytes
+
+    zc = cfg.zero_cache
+    return replace(MACHINES["h200"], gpus_per_node=gpus_per_node, gpu_mem_gib=gpu_total_bytes / GIB,
+                   host_mem_gib=(host_bytes(zc.host_max_gib) + HOST_PROCESS) * gpus_per_node / GIB,
+                   nvme_gib=nvme_bytes(zc.nvme_path, zc.nvme_max_gib) * gpus_per_node / GIB)
+
+
 def auto_rate(cfg: Config, device, dp_size: int) -> float:
     """`prefetch_cache_sub_group_rate: auto` in a worker: the planner's choice for this GPU and the host
     memory ZeRO-Cache may take here (what the optimizer's capacity check will allow)."""
@@ -350,14 +360,7 @@ def auto_rate(cfg: Config, device, dp_size: int) -> float:
 
     import torch
 
-    from angelgpt.zero_cache.tiers import available_bytes
-
-    _, total = torch.cuda.mem_get_info(device)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     nodes = max(1, int(os.environ.get("WORLD_SIZE", "1")) // local)
-    zc = cfg.zero_cache
-    host = available_bytes(device, zc.host_max_gib, zc.nvme_path, zc.nvme_max_gib)["host"]
-    nvme = available_bytes(device, None, zc.nvme_path, zc.nvme_max_gib)["nvme"]
-    hw = replace(MACHINES["h200"], gpus_per_node=local, gpu_mem_gib=total / GIB,
-                 host_mem_gib=(host + HOST_PROCESS) * local / GIB, nvme_gib=nvme * local / GIB)
-    return auto_plan(cfg, hw, local, nodes, bool(zc.nvme_path)).rate
+    hw = this_machine(cfg, torch.cuda.mem_get_info(device)[1], local)
+    return auto_plan(cfg, hw, local, nodes, bool(cfg.zero_cache.nvme_path)).rate

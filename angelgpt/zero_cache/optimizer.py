@@ -48,7 +48,6 @@ from angelgpt.zero_cache.pipeline import Profile, Streams
 from angelgpt.zero_cache.placement import SLICE, STATES, partition, place, slices, tier_bytes
 from angelgpt.zero_cache.tiers import DeviceTier, HostTier, NVMeTier, available_bytes, check_capacity
 
-_nullcontext = contextlib.nullcontext
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
@@ -151,6 +150,7 @@ class ZeroCacheOptimizer:
                     self.chunks.append(c)
         self.chunks_of: List[List[Chunk]] = [[c for c in self.chunks if c.group == gi]
                                              for gi in range(len(self.sub_groups))]
+        self.slot_of = {id(p): (c, off) for c in self.chunks for p, off in zip(c.params, c.offsets)}  # owned params
         self.model_dtype = self.params[0].dtype
         self._place(zc)
         self.streams = Streams(device)
@@ -213,8 +213,8 @@ class ZeroCacheOptimizer:
         # two pinned buffers in the model dtype carry updated weights to the device (double buffered)
         self._upload = [torch.empty(min(max(upload), SLICE), dtype=self.model_dtype, pin_memory=True)
                         for _ in range(2)] if upload and on_cuda else []
-        self._upload_done = [None, None]
-        self._acc_slots, self._acc_busy = [], [None, None]
+        self._upload_done, self._slot = [None, None], 0  # which upload buffer comes next
+        self._acc_slots, self._acc_busy, self._acc_slot = [], [None, None], 0
         if self.accumulate:  # two pinned slots carry a later micro batch's gradients to the host add
             per_group = collections.Counter()
             for c in self.chunks:
@@ -287,7 +287,6 @@ class ZeroCacheOptimizer:
             return
         self._complete(gi)  # its latest update has reached the host copy
         per_rank, seg = self.layouts[gi]
-        where = {id(p): (c, off) for c in self.chunks_of[gi] for p, off in zip(c.params, c.offsets)}
         t0 = self.profile.start("fetch", self.streams.h2d)
         if self.streams.cuda:
             with torch.cuda.stream(self.streams.h2d):
@@ -296,10 +295,10 @@ class ZeroCacheOptimizer:
             full = torch.empty(self.dp_size * seg, dtype=self.model_dtype, device=self.device)
         mine = full[self.dp_rank * seg:(self.dp_rank + 1) * seg]
         off = 0
-        stream_ctx = torch.cuda.stream(self.streams.h2d) if self.streams.cuda else _nullcontext()
+        stream_ctx = torch.cuda.stream(self.streams.h2d) if self.streams.cuda else contextlib.nullcontext()
         with stream_ctx:
             for p in per_rank[self.dp_rank]:
-                c, coff = where[id(p)]
+                c, coff = self.slot_of[id(p)]
                 mine[off:off + self._n(p)].copy_(c.weights[coff:coff + self._n(p)], non_blocking=True)
                 off += self._n(p)
             ready = self.streams.h2d.record_event() if self.streams.cuda else None
@@ -391,9 +390,8 @@ class ZeroCacheOptimizer:
                 lambda module, args, out, gis=gis: self._after_layer(gis)))
 
     def _reset_backward_state(self) -> None:
-        self._accumulated = collections.Counter()
-        self._seen = collections.Counter()
-        self._left = [len(g) for g in self.sub_groups]
+        self._seen = collections.Counter()  # gradients of the sub-group in this micro batch so far
+        self._completed = collections.Counter()  # micro batches whose backward finished the sub-group
         self._offloaded = [False] * len(self.sub_groups)
         self._sq = torch.zeros((), dtype=torch.float32, device=self.device)
         self._in_flight = collections.deque()
@@ -403,15 +401,11 @@ class ZeroCacheOptimizer:
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         """Post-accumulate hook: a sub-group whose gradients are final is reduced and offloaded now."""
         gi = self.group_of[id(p)]
-        self._accumulated[id(p)] += 1
-        if not self.accumulate and self._accumulated[id(p)] == self.num_microbatches:
-            self._left[gi] -= 1
-            if self._left[gi] == 0:
-                self._offload(gi)
         self._seen[gi] += 1
         if self._seen[gi] == len(self.sub_groups[gi]):  # this micro batch is done with the sub-group
             self._seen[gi] = 0
-            if self.accumulate:
+            self._completed[gi] += 1
+            if self.accumulate or self._completed[gi] == self.num_microbatches:
                 self._offload(gi)
             if self.partitioned[gi]:
                 self._release(gi)
@@ -479,13 +473,12 @@ class ZeroCacheOptimizer:
 
         if not first:
             return self._accumulate(gi, grads, last)
-        where = {id(p): (c, off) for c in self.chunks_of[gi] for p, off in zip(c.params, c.offsets)}
         for p, g in grads:
             if last and param_is_not_tensor_parallel_duplicate(p):
                 self._sq += torch.linalg.vector_norm(g, dtype=torch.float32).square()
         if not self.streams.cuda:
             for p, g in grads:
-                c, off = where[id(p)]
+                c, off = self.slot_of[id(p)]
                 c.grad[off:off + self._n(p)].copy_(g.reshape(-1))
             return
         produced = torch.cuda.current_stream(self.device).record_event()
@@ -493,7 +486,7 @@ class ZeroCacheOptimizer:
         with torch.cuda.stream(self.streams.d2h):
             self.streams.d2h.wait_event(produced)
             for p, g in grads:
-                c, off = where[id(p)]
+                c, off = self.slot_of[id(p)]
                 c.grad[off:off + self._n(p)].copy_(g.reshape(-1), non_blocking=True)
                 g.record_stream(self.streams.d2h)
                 self.profile.add_bytes("d2h", g.numel() * g.element_size() if c.tier != "device" else 0)
@@ -504,10 +497,9 @@ class ZeroCacheOptimizer:
     def _accumulate(self, gi: int, grads, last: bool) -> None:
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
-        where = {id(p): (c, off) for c in self.chunks_of[gi] for p, off in zip(c.params, c.offsets)}
         host = []
         for p, g in grads:
-            c, off = where[id(p)]
+            c, off = self.slot_of[id(p)]
             view = c.grad[off:off + self._n(p)]
             if c.tier == "device":
                 view.add_(g.reshape(-1))
@@ -517,7 +509,7 @@ class ZeroCacheOptimizer:
                 host.append((p, g, view))
         if not host:
             return
-        slot = self._acc_slot = 1 - getattr(self, "_acc_slot", 1)
+        slot = self._acc_slot = 1 - self._acc_slot
         if self._acc_busy[slot] is not None:
             self._acc_busy[slot].result()  # the slot's previous add is done with it
         staging, off, jobs = self._acc_slots[slot], 0, []
@@ -700,7 +692,7 @@ class ZeroCacheOptimizer:
             for p, a, b, sa, sb in self._param_ranges(c, lo, hi):
                 p.data.view(-1)[a:b].copy_(master[sa:sb])
             return None
-        slot = self._slot = 1 - getattr(self, "_slot", 1)
+        slot = self._slot = 1 - self._slot
         if self._upload_done[slot] is not None:
             self._upload_done[slot].synchronize()  # the buffer's previous upload has left it
         staging = self._upload[slot][:hi - lo]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import time
 from typing import Optional
 
 import torch
@@ -48,8 +49,6 @@ class Profile:
             return None
         if self.cuda and stream is not None:
             return stream.record_event(torch.cuda.Event(enable_timing=True))
-        import time
-
         return time.perf_counter()
 
     def stop(self, name: str, token, stream=None) -> None:
@@ -60,8 +59,6 @@ class Profile:
             with self._lock:
                 self._events.append((name, token, end))
             return
-        import time
-
         self.busy(name, time.perf_counter() - token)
 
     def busy(self, name: str, seconds: float, nbytes: int = 0) -> None:

@@ -51,7 +51,7 @@ class DeviceTier:
         self.bytes = 0
 
     def allocate(self, numel: int, dtype: torch.dtype = torch.float32, pinned: bool = False) -> torch.Tensor:
-        self.bytes += numel * torch.tensor([], dtype=dtype).element_size()
+        self.bytes += numel * dtype.itemsize
         return torch.zeros(numel, dtype=dtype, device=self.device)
 
 
@@ -67,7 +67,7 @@ class HostTier:
         self.pinned_bytes = 0
 
     def allocate(self, numel: int, dtype: torch.dtype = torch.float32, pinned: bool = False) -> torch.Tensor:
-        nbytes = numel * torch.tensor([], dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         self.bytes += nbytes
         if pinned and self.pin:
             self.pinned_bytes += nbytes
@@ -149,23 +149,31 @@ def check_capacity(needed: dict, available: dict) -> None:
                           f"raise zero_cache.host_max_gib / nvme_max_gib, or set zero_cache.nvme_path")
 
 
+def host_bytes(host_max_gib: Optional[float]) -> int:
+    """Host memory the store may take: host_max_gib, else MemAvailable less a small reserve."""
+    if host_max_gib is not None:
+        return int(host_max_gib * GIB)
+    avail = mem_available_bytes()
+    return int(avail - max(2 * GIB, 0.03 * avail))
+
+
+def nvme_bytes(nvme_path: Optional[str], nvme_max_gib: Optional[float]) -> int:
+    """The NVMe directory's free space, up to nvme_max_gib; 0 without a path."""
+    if not nvme_path:
+        return 0
+    free = NVMeTier.free_bytes(nvme_path)
+    return min(free, int(nvme_max_gib * GIB)) if nvme_max_gib is not None else free
+
+
 def available_bytes(device: torch.device, host_max_gib: Optional[float], nvme_path: Optional[str],
                     nvme_max_gib: Optional[float]) -> dict:
     """What each tier may take: the device's free memory (the optimizer sets aside what training needs
-    beside the states), host memory up to host_max_gib or MemAvailable less a small reserve, the NVMe
-    directory's free space up to nvme_max_gib."""
+    beside the states), host_bytes, nvme_bytes. On CPU, which stands in for both, the device and the
+    host each get half of MemAvailable unless host_max_gib says otherwise."""
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        dev = free
+        dev = torch.cuda.mem_get_info(device)[0]
+        host = host_bytes(host_max_gib)
     else:
         dev = mem_available_bytes() // 2
-    avail_host = mem_available_bytes()
-    host = int(host_max_gib * GIB) if host_max_gib is not None else int(avail_host - max(2 * GIB, 0.03 * avail_host))
-    if device.type != "cuda" and host_max_gib is None:
-        host = dev  # CPU stands in for both: split what is there
-    nvme = 0
-    if nvme_path:
-        nvme = NVMeTier.free_bytes(nvme_path)
-        if nvme_max_gib is not None:
-            nvme = min(nvme, int(nvme_max_gib * GIB))
-    return {"device": dev, "host": host, "nvme": nvme}
+        host = host_bytes(host_max_gib) if host_max_gib is not None else dev
+    return {"device": dev, "host": host, "nvme": nvme_bytes(nvme_path, nvme_max_gib)}
