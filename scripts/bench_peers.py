@@ -9,7 +9,9 @@ against Megatron's distributed optimizer, Megatron's CPU offload and DeepSpeed Z
 
 The GPT family is the 55 preset's layer shape (hidden 8192, 64 heads of 128, FFN 32768, vocabulary
 50257, sequence 2048, full activation recompute, bf16, mock data) with a varying number of layers
-(the `h200-16b` preset with model.num_layers=L). A case is SYSTEM:LAYERS[:micro_batch[:global_batch]].
+(the `h200-16b` preset with model.num_layers=L). A case is SYSTEM:LAYERS[:micro_batch[:global_batch[:overrides]]],
+the overrides comma-separated KEY=VALUE pairs for that case alone (for example
+`megatron_cpu_offload:13:2:32:optim.offload_fraction=0.7`).
 """
 
 from __future__ import annotations
@@ -39,19 +41,22 @@ LABEL = {"megatron": "(a) Megatron distributed optimizer", "megatron_cpu_offload
 
 
 def parse_case(text: str):
-    parts = text.split(":")
-    if parts[0] not in SYSTEMS or not 2 <= len(parts) <= 4 or not all(p.isdigit() and int(p) > 0 for p in parts[1:]):
-        print(f"bench_peers: bad case '{text}': SYSTEM:LAYERS[:MICRO[:GLOBAL]] with SYSTEM one of "
+    parts = text.split(":", 4)
+    extra = parts[4].split(",") if len(parts) == 5 else []
+    numbers = parts[1:4]
+    if (parts[0] not in SYSTEMS or not 2 <= len(parts) <= 5 or not all(p.isdigit() and int(p) > 0 for p in numbers)
+            or not all("=" in kv for kv in extra)):
+        print(f"bench_peers: bad case '{text}': SYSTEM:LAYERS[:MICRO[:GLOBAL[:KEY=VALUE,...]]] with SYSTEM one of "
               f"{', '.join(SYSTEMS)} and positive numbers", file=sys.stderr)
         raise SystemExit(2)
     layers, mb, gb = int(parts[1]), int(parts[2]) if len(parts) > 2 else 4, int(parts[3]) if len(parts) > 3 else 32
-    return parts[0], layers, mb, gb
+    return parts[0], layers, mb, gb, extra
 
 
 def run(args) -> int:
     failed = 0
     for text in args.cases:
-        system, layers, mb, gb = parse_case(text)
+        system, layers, mb, gb, case_extra = parse_case(text)
         name = f"peers-{system}-L{layers}-mb{mb}-gb{gb}"
         if (RESULTS / f"{name}.json").exists() and not args.force:
             print(f"{name}: result exists, skipped", flush=True)
@@ -67,7 +72,7 @@ def run(args) -> int:
         cmd = [sys.executable, str(ROOT / "scripts" / "bench_train.py"), "--name", name, "--size", "h200-16b",
                "--iters", str(args.iters), "--warmup", str(args.warmup), "--out", str(RESULTS), "--",
                f"model.num_layers={layers}", f"train.micro_batch_size={mb}", f"train.global_batch_size={gb}",
-               "optim.lr_warmup_iters=1", *overrides, *args.extra]
+               "optim.lr_warmup_iters=1", *overrides, *case_extra, *args.extra]
         print("case:", " ".join(cmd[2:]), flush=True)
         failed += subprocess.call(cmd, cwd=ROOT) != 0
     return 0 if not failed else 1

@@ -502,6 +502,9 @@ class ZeroCacheOptimizer:
             c, off = self.slot_of[id(p)]
             view = c.grad[off:off + self._n(p)]
             if c.tier == "device":
+                if c.grad_ready is not None:  # the first micro batch's copy (D2H stream) has landed
+                    torch.cuda.current_stream(self.device).wait_event(c.grad_ready)
+                    c.grad_ready = None
                 view.add_(g.reshape(-1))
                 if last and param_is_not_tensor_parallel_duplicate(p):
                     self._sq += torch.linalg.vector_norm(view, dtype=torch.float32).square()
@@ -837,5 +840,8 @@ class ZeroCacheOptimizer:
             self._prefetcher.shutdown()
         for h in self._handles:
             h.remove()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # no copy still reads a buffer about to be unlocked
+        self.tiers["host"].close()
         if self.nvme:
             self.nvme.close()

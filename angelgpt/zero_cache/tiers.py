@@ -57,7 +57,11 @@ class DeviceTier:
 
 class HostTier:
     """Host memory. Only what crosses PCIe (gradients, parameter staging) is pinned; fp32 states that
-    the CPU updates in place stay pageable, so start-up pins a few bytes per parameter, not twelve."""
+    the CPU updates in place stay pageable, so start-up pins a few bytes per parameter, not twelve.
+
+    Pinned buffers are page-locked in place (cudaHostRegister) at their exact size: torch's pinned
+    allocator rounds each allocation up to a power of two, which costs gigabytes at layer-sized
+    buffers. ``close()`` unlocks them."""
 
     name = "host"
 
@@ -65,14 +69,25 @@ class HostTier:
         self.pin = pin
         self.bytes = 0
         self.pinned_bytes = 0
+        self._registered = []  # tensors page-locked by cudaHostRegister, unlocked by close()
 
     def allocate(self, numel: int, dtype: torch.dtype = torch.float32, pinned: bool = False) -> torch.Tensor:
         nbytes = numel * dtype.itemsize
         self.bytes += nbytes
-        if pinned and self.pin:
+        buf = torch.zeros(numel, dtype=dtype)
+        if pinned and self.pin and nbytes:
+            err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0)
+            if int(getattr(err, "value", err)) != 0:
+                raise MemoryError(f"zero_cache: could not pin {nbytes / GIB:.2f} GiB of host memory "
+                                  f"(cudaHostRegister error {err}); {self.pinned_bytes / GIB:.2f} GiB pinned so far")
             self.pinned_bytes += nbytes
-            return torch.zeros(numel, dtype=dtype, pin_memory=True)
-        return torch.zeros(numel, dtype=dtype)
+            self._registered.append(buf)
+        return buf
+
+    def close(self) -> None:
+        for buf in self._registered:
+            torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+        self._registered = []
 
 
 class NVMeTier:
