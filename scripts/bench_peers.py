@@ -92,6 +92,7 @@ def load_results():
         out.append(dict(file=f.name, system=system, layers=layers, ok=r["returncode"] == 0 and steps >= 3,
                         params=None, tflops=r.get("tflops_per_gpu_median"), tokens=r.get("tokens_per_s_median"),
                         gpu=r.get("peak_gpu_gib"), host=r.get("peak_host_gib"), oom=r.get("oom"),
+                        oom_kind=r.get("oom_kind") or ("host" if "SIGKILL" in r.get("log_tail", "") else None),
                         commit=r.get("commit", "")[:10], steps=steps, mb=mb, gb=gb, profile=profile,
                         step_ms=r.get("elapsed_ms_median")))
     return out
@@ -131,7 +132,8 @@ def report(args) -> int:
             continue
         bigger = [r for r in rows if r["system"] == system and r["layers"] > b["layers"]]
         nxt = min(bigger, key=lambda r: r["layers"]) if bigger else None
-        why = (f"{nxt['layers']} layers ran out of GPU memory (micro batch {nxt['mb']})" if nxt and nxt["oom"]
+        why = (f"{nxt['layers']} layers ran out of {nxt['oom_kind'] or 'GPU'} memory (micro batch {nxt['mb']})"
+               if nxt and nxt["oom"]
                else "not tried: the largest size is not established")
         lines.append(f"| {LABEL[system]} | {b['layers']} | {b['params'] / 1e9:.2f}B | {why} |")
     goals = []

@@ -122,7 +122,10 @@ def main() -> int:
         result["oom"] = False
     else:
         tail = proc.stdout[-20000:] + proc.stderr[-20000:]
-        result["oom"] = "out of memory" in tail.lower() or "do not fit" in tail
+        gpu_oom = "out of memory" in tail.lower() or "do not fit" in tail
+        host_oom = "Signal 9 (SIGKILL)" in tail or "killed by SIGKILL" in tail  # the kernel's OOM killer
+        result["oom"] = gpu_oom or host_oom
+        result["oom_kind"] = "gpu" if gpu_oom else "host" if host_oom else None
         result["log_tail"] = tail[-4000:]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -233,11 +233,12 @@ def train(
         _check_plan(cfg, nproc_per_node, nnodes, force)
     if dry_run:
         return
-    rc = launch.run(cmd, launch.worker_env(on_gpu, nproc_per_node))
+    rc, why = launch.run(cmd, launch.worker_env(on_gpu, nproc_per_node))
     if rc == 2:
         raise SystemExit(2)
     if rc != 0:
-        print(f"angelgpt: error: training workers exited with code {rc}", file=sys.stderr, flush=True)
+        print(f"angelgpt: error: training workers exited with code {rc}" + (f": {why}" if why else ""),
+              file=sys.stderr, flush=True)
         raise SystemExit(1)
 
 

@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 
 @dataclass
@@ -55,16 +55,19 @@ def format_command(cmd: List[str]) -> str:
 ERROR_PREFIX = "angelgpt: error: "
 
 
-def run(cmd: List[str], env: dict) -> int:
+def run(cmd: List[str], env: dict) -> Tuple[int, Optional[str]]:
     """Runs torchrun, passing its stderr through. A worker that refuses its input prints one
     `angelgpt: error:` line and exits 2; torchrun's own failure report after it is dropped and 2
-    is returned, so a refusal reads as one line whichever process found it."""
+    is returned, so a refusal reads as one line whichever process found it. Returns the exit code and,
+    for a worker killed by SIGKILL (the out-of-memory killer's signal), which cannot speak for itself,
+    the reason to print."""
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, errors="replace",
                             start_new_session=True)  # a terminal's Ctrl-C reaches the workers once, from here
     previous = {sig: signal.signal(sig, lambda signum, frame: _forward(proc.pid, signum))
                 for sig in (signal.SIGTERM, signal.SIGINT)}
-    refused = False
+    refused = killed = False
     for line in proc.stderr:
+        killed = killed or "Signal 9 (SIGKILL)" in line
         if refused:
             continue
         if line.startswith(ERROR_PREFIX) or "]:" + ERROR_PREFIX in line:
@@ -75,7 +78,13 @@ def run(cmd: List[str], env: dict) -> int:
     rc = proc.wait()
     for sig, handler in previous.items():
         signal.signal(sig, handler)
-    return 2 if refused and rc != 0 else rc
+    if refused and rc != 0:
+        return 2, None
+    # a worker killed by SIGKILL (the kernel's out-of-memory killer, most likely) cannot say why itself
+    why = ("a worker was killed by SIGKILL, most likely by the kernel's out-of-memory killer (host memory ran "
+           "out): check `angelgpt plan` for this config, lower zero_cache.host_max_gib or the model size") \
+        if killed and rc != 0 else None
+    return rc, why
 
 
 def _forward(torchrun_pid: int, signum: int) -> None:

@@ -232,11 +232,13 @@ def plan_zero_cache(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int
     network = 0.0
     if dp > 1:  # fp32 reduce-scatter in backward, bf16 all-gather before forward
         network = (dp - 1) / dp * model_numel * (4 + MODEL_BYTES) / (hw.net_gbps * 1e9)
-    accumulate = 0.0
-    if cfg.zero_cache.accumulate_in_store and mb > 1:  # per micro batch: D2H, and a host add (6 B/param)
-        per_mb = max(off_numel * MODEL_BYTES / (hw.pcie_gbs * 1e9),
-                     off_numel * 3 * MODEL_BYTES * gpus_per_node / (hw.host_mem_gbs * 1e9))
-        accumulate = (mb - 1) * max(0.0, per_mb - compute / mb)
+    # per micro batch on PCIe: offloaded weights fetched (again in the recomputing backward) and, when
+    # accumulating in the store, each host chunk's running sum up to the GPU and back down
+    in_store = cfg.zero_cache.accumulate_in_store and mb > 1
+    passes = 2 if cfg.model.recompute == "full" else 1
+    h2d_mb = (passes * sum(offloaded) + (off_numel if in_store else 0)) * MODEL_BYTES / (hw.pcie_gbs * 1e9)
+    d2h_mb = (off_numel if in_store else 0) * MODEL_BYTES / (hw.pcie_gbs * 1e9)
+    transfers = mb * max(0.0, max(h2d_mb, d2h_mb) - compute / mb)
     update = max(cpu, nvme_io)  # NVMe reads and writes are double buffered beside the CPU update
     exposed_update = max(0.0, update - fwd_first) if zc.pipeline_optimizer else update
     step = {
@@ -244,7 +246,7 @@ def plan_zero_cache(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int
         "pcie_d2h": max(0.0, d2h - bwd_last),
         "cpu_optimizer": exposed_update if cpu >= nvme_io else 0.0,
         "nvme_io": exposed_update if nvme_io > cpu else 0.0,
-        "host_accumulate": accumulate,
+        "micro_batch_transfers": transfers,
         # pipelined, only the last chunk's upload waits; otherwise every upload does
         "pcie_h2d": h2d / max(1, len(off_device)) if zc.pipeline_optimizer else h2d,
         "network": max(0.0, network - compute / 2),

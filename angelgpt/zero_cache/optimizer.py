@@ -159,7 +159,6 @@ class ZeroCacheOptimizer:
         self._allocate()
         self._release_offloaded()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero-cache-update")
-        self._accumulator = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero-cache-accumulate")
         self._prefetcher = ThreadPoolExecutor(max_workers=1) if self.nvme else None
         self._pending: Dict[int, Future] = {}  # sub-group -> its update in flight (events to wait on)
         self._needs_gather: set = set()
@@ -214,14 +213,14 @@ class ZeroCacheOptimizer:
         self._upload = [torch.empty(min(max(upload), SLICE), dtype=self.model_dtype, pin_memory=True)
                         for _ in range(2)] if upload and on_cuda else []
         self._upload_done, self._slot = [None, None], 0  # which upload buffer comes next
-        self._acc_slots, self._acc_busy, self._acc_slot = [], [None, None], 0
-        if self.accumulate:  # two pinned slots carry a later micro batch's gradients to the host add
+        self._acc_slots, self._acc_free, self._acc_slot = [], [None, None], 0
+        if self.accumulate:  # two device slots: a host chunk's running sum makes its round trip through one
             per_group = collections.Counter()
             for c in self.chunks:
                 if c.tier != "device":
                     per_group[c.group] += c.numel
             if per_group:
-                self._acc_slots = [self.tiers["host"].allocate(max(per_group.values()), self.model_dtype, pinned=True)
+                self._acc_slots = [self.tiers["device"].allocate(max(per_group.values()), self.model_dtype)
                                    for _ in range(2)]
         done = collections.Counter()
         for c in reversed(self.chunks):  # last layers first: offloaded ones leave the device before states arrive
@@ -396,7 +395,7 @@ class ZeroCacheOptimizer:
         self._sq = torch.zeros((), dtype=torch.float32, device=self.device)
         self._in_flight = collections.deque()
         self._micro = collections.Counter()  # micro batches of each sub-group offloaded so far
-        self._host_sq: List[Future] = []  # host adds of the last micro batch, each giving its squared norm
+        self._sq_side = torch.zeros((), dtype=torch.float32, device=self.device)  # host sums' norms (H2D stream)
 
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         """Post-accumulate hook: a sub-group whose gradients are final is reduced and offloaded now."""
@@ -512,47 +511,46 @@ class ZeroCacheOptimizer:
                 host.append((p, g, view))
         if not host:
             return
-        slot = self._acc_slot = 1 - self._acc_slot
-        if self._acc_busy[slot] is not None:
-            self._acc_busy[slot].result()  # the slot's previous add is done with it
-        staging, off, jobs = self._acc_slots[slot], 0, []
-        ready = None
-        if self.streams.cuda:
-            produced = torch.cuda.current_stream(self.device).record_event()
-            t0 = self.profile.start("d2h", self.streams.d2h)
-            with torch.cuda.stream(self.streams.d2h):
-                self.streams.d2h.wait_event(produced)
-                for p, g, view in host:
-                    staging[off:off + g.numel()].copy_(g.reshape(-1), non_blocking=True)
-                    g.record_stream(self.streams.d2h)
-                    jobs.append((view, off, param_is_not_tensor_parallel_duplicate(p)))
-                    off += g.numel()
-                ready = self.streams.d2h.record_event()
-            self.profile.stop("d2h", t0, self.streams.d2h)
-            self.profile.add_bytes("d2h", off * staging.element_size())
-        else:
-            for p, g, view in host:
-                staging[off:off + g.numel()].copy_(g.reshape(-1))
-                jobs.append((view, off, param_is_not_tensor_parallel_duplicate(p)))
-                off += g.numel()
-        fut = self._accumulator.submit(self._host_add, staging, jobs, ready, last)
-        self._acc_busy[slot] = fut
-        if last:
-            self._host_sq.append(fut)
-
-    def _host_add(self, staging: torch.Tensor, jobs, ready, last: bool) -> float:
-        """Accumulator thread: adds a staged micro batch into host gradient buffers; after the last
-        micro batch returns the squared norm of the sums."""
-        if ready is not None:
-            ready.synchronize()
-        t0 = time.perf_counter()
-        sq = 0.0
-        for view, off, counted in jobs:
-            view.add_(staging[off:off + view.numel()])
-            if last and counted:
-                sq += float(torch.linalg.vector_norm(view, dtype=torch.float32)) ** 2
-        self.profile.busy("host_accumulate", time.perf_counter() - t0)
-        return sq
+        i = self._acc_slot = 1 - self._acc_slot
+        slot, pieces, off = self._acc_slots[i], [], 0
+        for p, g, view in host:
+            pieces.append((g.reshape(-1), view, slot[off:off + g.numel()], param_is_not_tensor_parallel_duplicate(p)))
+            off += g.numel()
+        if not self.streams.cuda:
+            for g, view, s, counted in pieces:
+                s.copy_(view)
+                s.add_(g)
+                view.copy_(s)
+                if last and counted:
+                    self._sq += torch.linalg.vector_norm(s, dtype=torch.float32).square()
+            return
+        if self._acc_free[i] is not None:
+            self._acc_free[i].synchronize()  # the slot's last round trip is home (bounds gradients in flight)
+        h2d, d2h = self.streams.h2d, self.streams.d2h
+        produced = torch.cuda.current_stream(self.device).record_event()
+        t0 = self.profile.start("accumulate", h2d)
+        with torch.cuda.stream(h2d):  # the sum so far comes up and the new gradients are added to it
+            h2d.wait_event(produced)
+            for c in {id(c): c for c in (self.slot_of[id(p)][0] for p, _, _ in host)}.values():
+                if c.grad_ready is not None:
+                    h2d.wait_event(c.grad_ready)  # the previous micro batch's sum has landed
+            for g, view, s, counted in pieces:
+                s.copy_(view, non_blocking=True)
+                s.add_(g)
+                g.record_stream(h2d)
+                if last and counted:
+                    self._sq_side += torch.linalg.vector_norm(s, dtype=torch.float32).square()
+            summed = h2d.record_event()
+        self.profile.stop("accumulate", t0, h2d)
+        with torch.cuda.stream(d2h):  # and goes back down
+            d2h.wait_event(summed)
+            for g, view, s, counted in pieces:
+                view.copy_(s, non_blocking=True)
+            done = d2h.record_event()
+        self.profile.add_bytes("accumulate", 2 * off * slot.element_size())
+        self._acc_free[i] = done
+        for p, _, _ in host:
+            self.slot_of[id(p)][0].grad_ready = done
 
     def _drop_grad(self, p: torch.nn.Parameter) -> None:
         if p.grad is not None and self.streams.cuda:
@@ -566,13 +564,9 @@ class ZeroCacheOptimizer:
                 self._offload(gi, last=True)
         while self._in_flight:
             self._finish_reduce()
-        if self._host_sq:  # the last micro batch's host adds, and the norm of what they summed
-            self._sq += sum(f.result() for f in self._host_sq)
-            self._host_sq = []
-        for i, fut in enumerate(self._acc_busy):
-            if fut is not None:
-                fut.result()
-                self._acc_busy[i] = None
+        if self.streams.cuda and self.accumulate:  # the norms of the host chunks' sums (side stream)
+            torch.cuda.current_stream(self.device).wait_stream(self.streams.h2d)
+        self._sq += self._sq_side
 
     # -- the step -----------------------------------------------------------------------------
     def zero_grad(self) -> None:
@@ -835,7 +829,6 @@ class ZeroCacheOptimizer:
     def close(self) -> None:
         self.wait_all()
         self._worker.shutdown()
-        self._accumulator.shutdown()
         if self._prefetcher:
             self._prefetcher.shutdown()
         for h in self._handles:

@@ -27,7 +27,7 @@ class Streams:
 
 
 class Profile:
-    BUSY = ("reduce_scatter", "all_gather", "d2h", "h2d", "fetch", "nvme", "host_accumulate", "cpu_optimizer",
+    BUSY = ("reduce_scatter", "all_gather", "d2h", "h2d", "fetch", "nvme", "accumulate", "cpu_optimizer",
             "update_thread")
     EXPOSED = ("wait_update", "wait_fetch", "step")
 

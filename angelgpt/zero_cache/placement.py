@@ -32,7 +32,10 @@ def plan_tiers(chunk_bytes: List[int], rate: float, host_limit: int, nvme_enable
     total = sum(chunk_bytes)
     tiers, on_device, on_host = [], 0, 0
     for b in chunk_bytes:
-        if rate >= 1.0 or (rate > 0.0 and on_device + b <= rate * total + 0.5 * b):
+        # the device holds a prefix: once a chunk leaves it, every later one does (a small chunk that
+        # would still fit must not keep its layer on the device, which would keep the layer's weights there)
+        if rate >= 1.0 or (rate > 0.0 and on_device + b <= rate * total + 0.5 * b and "host" not in tiers
+                           and "nvme" not in tiers):
             tiers.append("device")
             on_device += b
         elif not nvme_enabled or on_host + b <= host_limit:
@@ -83,16 +86,17 @@ def offloaded_layers(chunk_groups: List[int], tiers: List[str], n_groups: int, e
 
 
 def accumulation_bytes(groups: List[int], numels: List[int], tiers: List[str], flags: List[bool],
-                       grad_bytes: int) -> int:
-    """Host bytes that accumulating in the store adds: two pinned staging slots of the largest
-    sub-group's off-device gradients, and offloaded layers' weights in their own buffers (their
-    gradient buffers fill from the first micro batch on, while later ones still fetch the weights)."""
+                       grad_bytes: int) -> Dict[str, int]:
+    """Bytes that accumulating in the store adds: on the device, two slots of the largest sub-group's
+    off-device gradients (a running sum makes its round trip through one); on the host, offloaded
+    layers' weights in their own buffers (their gradient buffers fill from the first micro batch on,
+    while later ones still fetch the weights)."""
     per_group: Dict[int, int] = {}
     for g, n, t in zip(groups, numels, tiers):
         if t != "device":
             per_group[g] = per_group.get(g, 0) + n
     weights = sum(n for g, n in zip(groups, numels) if flags[g])
-    return grad_bytes * (2 * max(per_group.values(), default=0) + weights)
+    return {"device": grad_bytes * 2 * max(per_group.values(), default=0), "host": grad_bytes * weights}
 
 
 def place(groups: List[int], numels: List[int], n_groups: int, rate: float, host_limit: float, nvme_enabled: bool,
@@ -110,7 +114,8 @@ def place(groups: List[int], numels: List[int], n_groups: int, rate: float, host
             flags = [f and a for f, a in zip(flags, allowed)]
         need = tier_bytes(numels, tiers, grad_bytes)  # an offloaded layer's weights share its gradient buffer
         if accumulate_in_store:
-            need["host"] += accumulation_bytes(groups, numels, tiers, flags, grad_bytes)
+            for tier, extra in accumulation_bytes(groups, numels, tiers, flags, grad_bytes).items():
+                need[tier] += extra
         over = need["host"] - host_limit
         if not nvme_enabled or over <= 0 or room <= 0:
             return tiers, flags, need

@@ -143,3 +143,24 @@ def test_worker_killed_mid_run_restarts_and_ends_like_an_uninterrupted_run(tmp_p
     assert a.keys() == b.keys() and any(k.startswith("optimizer") for k in a)
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def test_worker_killed_by_sigkill_is_named_in_the_last_line(tmp_path):
+    """A worker SIGKILLed (as the kernel's OOM killer does) without restarts left: the run fails and its
+    last line says a worker was killed by SIGKILL and what to check, instead of torchrun's report alone."""
+    proc = start_cli("train", "--size", "tiny", "--device", "cpu", "--nproc-per-node", "2", *WIDER,
+                     "train.train_iters=100000", "logging.log_interval=1")
+    try:
+        assert wait_for(lambda: len([w for w in workers(proc) if "torch.distributed.run" not in " ".join(w.cmdline())]) == 2)
+        out = proc.stdout.readline()
+        while out and "iteration" not in out:  # training is under way
+            out = proc.stdout.readline()
+        [w for w in workers(proc) if "torch.distributed.run" not in " ".join(w.cmdline())][-1].kill()
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode != 0
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("angelgpt: error: training workers exited with code 1: a worker was killed by "
+                           "SIGKILL"), err[-2000:]
+    assert "out-of-memory killer" in last
