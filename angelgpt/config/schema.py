@@ -166,7 +166,8 @@ class ZeroCacheConfig:
     offload_params: Union[bool, str] = "auto"
     """Keep the model-dtype weights of layers whose states are off the GPU in pinned host memory and
     fetch each layer just before it runs, releasing it after (ZeRO-3 parameter offload, prefetching the
-    next layer); 'auto' turns it on with full activation recompute, which is when it saves GPU memory."""
+    next layer); 'auto' turns it on with full activation recompute, which is when it saves GPU memory,
+    unless several micro batches accumulate in the store (each would fetch the weights again)."""
     accumulate_in_store: bool = False
     """Reduce every micro batch's gradients to their owner and add them up in the store's gradient
     buffers (device or pinned host), so the GPU holds only the gradients in flight rather than every

@@ -168,13 +168,13 @@ class ZeroCacheOptimizer:
 
     # -- placement and allocation ------------------------------------------------------------
     def _place(self, zc) -> None:
-        from angelgpt.planner.plan import GPU_HEADROOM, device_reserve
+        from angelgpt.planner.plan import GPU_HEADROOM, device_reserve, offload_params_on
 
         grad_bytes = self.params[0].element_size()
         avail = available_bytes(self.device, zc.host_max_gib, zc.nvme_path, zc.nvme_max_gib)
         numels = [c.numel for c in self.chunks]
         args = ([c.group for c in self.chunks], numels, len(self.sub_groups), self.rate, avail["host"],
-                bool(zc.nvme_path), grad_bytes, self._offload_params_on(zc), self.accumulate)
+                bool(zc.nvme_path), grad_bytes, offload_params_on(self.cfg, self.dp_size), self.accumulate)
         tiers, flags, needed = place(*args)
         if self.dp_size > 1:  # a layer is fetched (and all-gathered) on every rank or on none
             t = torch.tensor([float(f) for f in flags], device=self.device)
@@ -270,9 +270,6 @@ class ZeroCacheOptimizer:
         for gi, flag in enumerate(self.partitioned):
             if flag:
                 self._release(gi)  # also those of which this rank owns nothing
-
-    def _offload_params_on(self, zc) -> bool:
-        return zc.offload_params if zc.offload_params != "auto" else self.recompute
 
     def _release(self, gi: int) -> None:
         """Drops a fetched layer's weights from the device (autograd may hold them until its backward)."""
