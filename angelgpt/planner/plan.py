@@ -22,10 +22,10 @@ hidden is exposed; the largest exposed term, else compute, is the bottleneck.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 from angelgpt.config import Config
-from angelgpt.model.flops import flops_per_iteration, num_params
+from angelgpt.model.flops import flops_per_iteration
 from angelgpt.planner.layout import chunk_numels, rank_params
 from angelgpt.zero_cache.placement import SLICE, STATES, place
 
@@ -116,6 +116,7 @@ class SystemPlan:
     bottleneck: str
     rate: Optional[float] = None
     tflops_per_gpu: float = 0.0
+    offload_params: Optional[bool] = None  # zero_cache: are the weights of host-resident layers offloaded
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -152,16 +153,24 @@ def _compute_s(cfg: Config, hw: Machine, world: int) -> float:
     return flops_per_iteration(cfg, include_recompute=True) / world / (hw.gpu_tflops * 1e12)
 
 
-def offload_params_on(cfg: Config, dp: int = 1) -> bool:
-    """zero_cache.offload_params, 'auto' resolved: on with full recompute (then a layer's weights are needed
-    only while it runs), except when micro batches accumulate in the store: each micro batch would fetch
-    the offloaded weights twice on the PCIe link that already carries the running sums (measured at 19
-    layers, 16 micro batches: 757 GB up per step and 245 model TFLOP/s)."""
+def offload_params_on(cfg: Config) -> bool:
+    """zero_cache.offload_params with 'auto' read as: on with full recompute (a layer's weights are then
+    needed only while it runs). plan_zero_cache refines 'auto' when micro batches accumulate in the store."""
     op = cfg.zero_cache.offload_params
-    if op != "auto":
-        return op
-    in_store = cfg.zero_cache.accumulate_in_store and micro_batches(cfg, dp) > 1
-    return cfg.model.recompute == "full" and not in_store
+    return op if op != "auto" else cfg.model.recompute == "full"
+
+
+def _resident_first(cfg: Config, dp: int):
+    """With 'auto' offload_params, full recompute and micro batches accumulating in the store, the
+    configs to try in order: weights resident first, offloaded only if that does not fit. Offloaded
+    weights are fetched again for every micro batch on the link that carries the running sums
+    (measured at 19 layers, 16 micro batches: 757 GB up per step, 245 model TFLOP/s offloaded against
+    285 resident). None when 'auto' needs no refining."""
+    zc = cfg.zero_cache
+    if zc.offload_params != "auto" or cfg.model.recompute != "full" or not (
+            zc.accumulate_in_store and micro_batches(cfg, dp) > 1):
+        return None
+    return [replace(cfg, zero_cache=replace(zc, offload_params=v)) for v in (False, True)]
 
 
 def rank_tier_bytes(cfg: Config, dp: int, dp_rank: int, rate: float, host_limit: float, use_nvme: bool,
@@ -176,7 +185,7 @@ def rank_tier_bytes(cfg: Config, dp: int, dp_rank: int, rate: float, host_limit:
         chunks = chunk_numels(params, dp, rank)
         groups, numels = [g for g, _ in chunks], [n for _, n in chunks]
         return (groups, numels, *place(groups, numels, n_groups, float(rate), host_limit, use_nvme, grad_bytes,
-                                       offload_params_on(cfg, dp), in_store, allowed))
+                                       offload_params_on(cfg), in_store, allowed))
 
     allowed = None
     if dp > 1:  # a layer is offloaded on every rank or on none, as the optimizer agrees over DP
@@ -196,6 +205,10 @@ def plan_zero_cache(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int
     use_nvme = bool(zc.nvme_path) if nvme is None else nvme
     if rate == "auto":
         return auto_plan(cfg, hw, gpus_per_node, nodes, use_nvme)
+    tries = _resident_first(cfg, dp)
+    if tries:
+        resident = plan_zero_cache(tries[0], hw, gpus_per_node, nodes, rate, nvme)
+        return resident if resident.fits else plan_zero_cache(tries[1], hw, gpus_per_node, nodes, rate, nvme)
     params = rank_params(cfg, 0)
     model_numel = sum(p.numel for p in params)
     host_limit = hw.host_mem_gib * GIB / gpus_per_node - HOST_PROCESS
@@ -243,9 +256,14 @@ def plan_zero_cache(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int
     # accumulating in the store, each host chunk's running sum up to the GPU and back down
     in_store = cfg.zero_cache.accumulate_in_store and mb > 1
     passes = 2 if cfg.model.recompute == "full" else 1
-    h2d_mb = (passes * sum(offloaded) + (off_numel if in_store else 0)) * MODEL_BYTES / (hw.pcie_gbs * 1e9)
-    d2h_mb = (off_numel if in_store else 0) * MODEL_BYTES / (hw.pcie_gbs * 1e9)
-    transfers = mb * max(0.0, max(h2d_mb, d2h_mb) - compute / mb)
+    fetch_mb = passes * sum(offloaded) * MODEL_BYTES / (hw.pcie_gbs * 1e9)
+    transfers = mb * max(0.0, fetch_mb - compute / mb)
+    if in_store:  # after the first micro batch: a round trip (up, then down) per host sub-group, which
+        # hides only behind the backward of the host-resident (last) layers; measured at 19 layers,
+        # 16 micro batches: backward 4.7 s longer than compute, as this gives
+        trip = 2 * off_numel * MODEL_BYTES / (hw.pcie_gbs * 1e9)
+        behind = bwd_last * off_numel / max(1, model_numel)
+        transfers += (mb - 1) * max(0.0, trip - behind)
     update = max(cpu, nvme_io)  # NVMe reads and writes are double buffered beside the CPU update
     exposed_update = max(0.0, update - fwd_first) if zc.pipeline_optimizer else update
     step = {
@@ -258,13 +276,17 @@ def plan_zero_cache(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int
         "pcie_h2d": h2d / max(1, len(off_device)) if zc.pipeline_optimizer else h2d,
         "network": max(0.0, network - compute / 2),
     }
-    return _finish("zero_cache", cfg, hw, gpus_per_node, world, gpu, host,
-                   tb.get("nvme", 0), step, float(rate))
+    return replace(_finish("zero_cache", cfg, hw, gpus_per_node, world, gpu, host, tb.get("nvme", 0), step,
+                           float(rate)), offload_params=offload_params_on(cfg))
 
 
 def auto_plan(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int = 1, nvme: bool = False) -> SystemPlan:
     """The largest prefetch_cache_sub_group_rate (in steps of 0.01) that fits; states on GPU are updated
     30x faster than on the CPU and cross no PCIe, so more on the GPU is faster while it fits."""
+    tries = _resident_first(cfg, _world(cfg, gpus_per_node, nodes)[1])
+    if tries:
+        resident = auto_plan(tries[0], hw, gpus_per_node, nodes, nvme)
+        return resident if resident.fits else auto_plan(tries[1], hw, gpus_per_node, nodes, nvme)
     best = None
     for i in range(100, -1, -1):
         p = plan_zero_cache(cfg, hw, gpus_per_node, nodes, rate=i / 100, nvme=nvme)
@@ -297,11 +319,14 @@ def plan_megatron_cpu_offload(cfg: Config, hw: Machine, gpus_per_node: int = 1, 
     n = sum(p.numel for p in rank_params(cfg, 0))
     f = cfg.optim.offload_fraction
     shard = -(-n // dp)
-    # transfer buffers: measured 2.8 B/param on the H200 (7 layers of the 55 shape, fraction 1.0: 61.3 GiB)
+    # transfer buffers: measured 2.8 B/param on the H200 (7 layers of the 55 shape, fraction 1.0: 61.3 GiB).
+    # Host: 16.9 B/param measured between steps (7 layers, fraction 1.0: 97.2 GiB) and a transient fp32
+    # gradient copy during the step (4 B/param), which the host OOM kills at 8 layers (fraction 1.0) and
+    # 12 and 13 layers (fraction 0.7) show
     gpu = {"weights": n * MODEL_BYTES, "main_grads": n * 4, "optimizer_states": int(shard * 12 * (1 - f)),
            "transfer_buffers": int(shard * 2.8 * f), "activations": activation_bytes(cfg),
            "workspace": WORKSPACE + CUDA_CONTEXT}
-    host = {"host_states": int(shard * 16 * f), "process": HOST_PROCESS}
+    host = {"host_states": int(shard * 16.9 * f), "step_transient": int(shard * 4 * f), "process": HOST_PROCESS}
     step = {"compute": _compute_s(cfg, hw, world),
             "cpu_optimizer": shard * f * gpus_per_node / (hw.cpu_adam_gparams * 1e9),
             "gpu_optimizer": shard * (1 - f) / 120e9,
@@ -360,11 +385,13 @@ def this_machine(cfg: Config, gpu_total_bytes: int, gpus_per_node: int) -> Machi
                    nvme_gib=nvme_bytes(zc.nvme_path, zc.nvme_max_gib) * gpus_per_node / GIB)
 
 
-def auto_rate(cfg: Config, device, dp_size: int) -> float:
-    """`prefetch_cache_sub_group_rate: auto` in a worker: the planner's choice for this GPU and the host
-    memory ZeRO-Cache may take here (what the optimizer's capacity check will allow)."""
+def auto_settings(cfg: Config, device, dp_size: int):
+    """ZeRO-Cache's 'auto' settings in a worker: (prefetch_cache_sub_group_rate, offload_params), the
+    planner's choice for this GPU and the host memory ZeRO-Cache may take here (what the optimizer's
+    capacity check will allow). On CPU: everything on the device, offload_params as configured."""
+    rate = cfg.zero_cache.prefetch_cache_sub_group_rate
     if device.type != "cuda":
-        return 1.0
+        return (1.0 if rate == "auto" else float(rate)), offload_params_on(cfg)
     import os
 
     import torch
@@ -372,4 +399,7 @@ def auto_rate(cfg: Config, device, dp_size: int) -> float:
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     nodes = max(1, int(os.environ.get("WORLD_SIZE", "1")) // local)
     hw = this_machine(cfg, torch.cuda.mem_get_info(device)[1], local)
-    return auto_plan(cfg, hw, local, nodes, bool(cfg.zero_cache.nvme_path)).rate
+    nvme = bool(cfg.zero_cache.nvme_path)
+    p = auto_plan(cfg, hw, local, nodes, nvme) if rate == "auto" else plan_zero_cache(cfg, hw, local, nodes,
+                                                                                     float(rate), nvme)
+    return p.rate, p.offload_params

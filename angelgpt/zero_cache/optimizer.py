@@ -45,7 +45,7 @@ from megatron.core import parallel_state
 from angelgpt.config import Config
 from angelgpt.train.optim import _no_weight_decay, clip_coefficient
 from angelgpt.zero_cache.pipeline import Profile, Streams
-from angelgpt.zero_cache.placement import SLICE, STATES, partition, place, slices, tier_bytes
+from angelgpt.zero_cache.placement import SLICE, STATES, partition, place, slices
 from angelgpt.zero_cache.tiers import DeviceTier, HostTier, NVMeTier, available_bytes, check_capacity
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -105,11 +105,9 @@ class ZeroCacheOptimizer:
         self.num_microbatches = cfg.train.global_batch_size // (cfg.train.micro_batch_size * self.dp_size)
         self.recompute = cfg.model.recompute == "full"
         self.accumulate = zc.accumulate_in_store and self.num_microbatches > 1
-        rate = zc.prefetch_cache_sub_group_rate
-        if rate == "auto":
-            from angelgpt.planner import auto_rate
+        from angelgpt.planner import auto_settings
 
-            rate = auto_rate(cfg, device, self.dp_size)
+        rate, self.offload_params = auto_settings(cfg, device, self.dp_size)  # 'auto' as the planner resolves it
         self.rate = float(rate)
 
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -168,13 +166,13 @@ class ZeroCacheOptimizer:
 
     # -- placement and allocation ------------------------------------------------------------
     def _place(self, zc) -> None:
-        from angelgpt.planner.plan import GPU_HEADROOM, device_reserve, offload_params_on
+        from angelgpt.planner.plan import GPU_HEADROOM, device_reserve
 
         grad_bytes = self.params[0].element_size()
         avail = available_bytes(self.device, zc.host_max_gib, zc.nvme_path, zc.nvme_max_gib)
         numels = [c.numel for c in self.chunks]
         args = ([c.group for c in self.chunks], numels, len(self.sub_groups), self.rate, avail["host"],
-                bool(zc.nvme_path), grad_bytes, offload_params_on(self.cfg, self.dp_size), self.accumulate)
+                bool(zc.nvme_path), grad_bytes, self.offload_params, self.accumulate)
         tiers, flags, needed = place(*args)
         if self.dp_size > 1:  # a layer is fetched (and all-gathered) on every rank or on none
             t = torch.tensor([float(f) for f in flags], device=self.device)
@@ -462,9 +460,7 @@ class ZeroCacheOptimizer:
 
     def _to_owner(self, gi: int, grads, first: bool = True, last: bool = True) -> None:
         """Owned gradients into their chunks, and their squared norm (on the device, no sync). The
-        first micro batch copies; later ones (accumulate_in_store) add: on the device for device
-        chunks, through a pinned slot and the accumulator thread for host ones, which also takes the
-        norm of the sum after the last micro batch."""
+        first micro batch copies; later ones (accumulate_in_store) add (_accumulate)."""
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
         if not first:
@@ -491,6 +487,9 @@ class ZeroCacheOptimizer:
         self.profile.stop("d2h", t0, self.streams.d2h)
 
     def _accumulate(self, gi: int, grads, last: bool) -> None:
+        """A later micro batch's gradients added to their owner's chunks: in place for device chunks; for
+        host chunks the running sum goes up to a device slot (H2D stream), gets the gradients added and,
+        after the last micro batch, its norm taken there, and goes back down (D2H stream)."""
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
         host = []

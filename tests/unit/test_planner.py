@@ -3,7 +3,6 @@
 
 import json
 import shlex
-from pathlib import Path
 
 import pytest
 
@@ -38,7 +37,9 @@ def test_prediction_matches_the_h200_measurement(result):
     p = plan_for(_config(result), MACHINES["h200"])
     measured_step = result["elapsed_ms_median"] / 1000
     assert abs(p.gpu_total / GIB - result["peak_gpu_gib"]) <= 0.10 * result["peak_gpu_gib"], p.gpu_bytes
-    assert abs(p.host_total / GIB - result["peak_host_gib"]) <= 0.10 * result["peak_host_gib"], p.host_bytes
+    # host memory is sampled between steps, so the planner's in-step transient is not in it
+    between_steps = p.host_total - p.host_bytes.get("step_transient", 0)
+    assert abs(between_steps / GIB - result["peak_host_gib"]) <= 0.10 * result["peak_host_gib"], p.host_bytes
     assert abs(p.step_time_s - measured_step) <= 0.20 * measured_step, (p.step_s, measured_step)
 
 
@@ -50,8 +51,8 @@ def test_at_least_three_configurations_are_measured():
 @pytest.mark.parametrize("result", [json.loads(f.read_text()) for f in sorted(RESULTS.glob("peers-*.json"))
                                     if json.loads(f.read_text()).get("oom")], ids=lambda r: r["name"])
 def test_configurations_that_ran_out_of_memory_are_refused(result):
-    """What ran out of GPU memory on the H200 the planner (as it is now) says does not fit, at the
-    prefetch_cache_sub_group_rate that run used (recorded with it)."""
+    """What ran out of GPU or host memory on the H200 the planner (as it is now) says does not fit, at
+    the prefetch_cache_sub_group_rate that run used (recorded with it)."""
     cfg = _config(result)
     if cfg.optim.optimizer == "zero_cache":
         cfg.zero_cache.prefetch_cache_sub_group_rate = result["predicted"]["rate"]
@@ -66,6 +67,20 @@ def test_more_state_on_the_gpu_until_it_is_full():
     assert small.rate == 1.0 and small.fits
     assert 0.0 < large.rate < 1.0 and large.fits
     assert large.margin["gpu"] >= 0 and large.margin["host"] >= 0
+
+
+def test_accumulating_in_the_store_keeps_weights_resident_unless_they_must_move():
+    """offload_params auto with in-store accumulation: 19 layers at global batch 32 on one H200 keep their
+    weights on the GPU (fetching them for each micro batch was slower there); 55B on 8x A100-40G cannot,
+    so its host-resident layers' weights are offloaded."""
+    in_store = ["train.global_batch_size=32", "zero_cache.accumulate_in_store=true"]
+    h200 = auto_plan(resolve("h200-16b", overrides=["model.num_layers=19", *in_store]), MACHINES["h200"])
+    assert h200.fits and h200.offload_params is False and h200.gpu_bytes["fetched_weights"] == 0
+    a100 = auto_plan(resolve("55", overrides=["train.micro_batch_size=1", "train.global_batch_size=80",
+                                              "zero_cache.accumulate_in_store=true"]), MACHINES["a100-40gx8"], 8)
+    assert a100.fits and a100.offload_params is True and a100.gpu_bytes["fetched_weights"] > 0
+    one_step = auto_plan(resolve("h200-16b", overrides=["model.num_layers=19"]), MACHINES["h200"])
+    assert one_step.offload_params is True  # one micro batch: fetching once per step is cheap
 
 
 def test_plan_command_prints_every_system(tmp_path):
