@@ -1,8 +1,9 @@
 """Preprocessing benchmark: tokens/s of `angelgpt data prepare` on the shared corpus repeated to >= 50 MB.
 
-    python scripts/bench_prepare.py --workers 2 --vocab-size 8192
+    python scripts/bench_prepare.py --workers 2 --vocab-size 8192 [--model-type unigram|bpe]
 
-Writes benchmarks/results/prepare-<workers>workers.json with the command, commit, machine and figures.
+Writes benchmarks/results/prepare-<workers>workers-<model type>.json with the command, commit, machine
+and figures.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ def main() -> int:
     ap.add_argument("--min-mb", type=float, default=50.0)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--vocab-size", type=int, default=8192)
+    ap.add_argument("--model-type", default="unigram", choices=["unigram", "bpe"],
+                    help="the tokenizer's model (unigram is the default of `angelgpt tokenizer train`)")
     ap.add_argument("--goal-tokens-per-s-per-core", type=float, default=1.0e6)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args()
@@ -39,7 +42,7 @@ def main() -> int:
     text = Path(args.corpus).read_text()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        train_tokenizer([args.corpus], str(tmp / "tok"), vocab_size=args.vocab_size)
+        train_tokenizer([args.corpus], str(tmp / "tok"), vocab_size=args.vocab_size, model_type=args.model_type)
         repeats = int(args.min_mb * 1e6 // len(text.encode())) + 1
         big = tmp / "corpus.txt"
         with open(big, "w") as fh:
@@ -56,7 +59,8 @@ def main() -> int:
         seconds = time.perf_counter() - start
     rate = summary.tokens / seconds
     result = {
-        "name": f"prepare-{args.workers}workers",
+        "name": f"prepare-{args.workers}workers-{args.model_type}",
+        "tokenizer": {"model_type": args.model_type, "vocab_size": args.vocab_size},
         "command": "python scripts/bench_prepare.py " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
         "commit": commit(),
         "machine": {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version()},

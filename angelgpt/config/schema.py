@@ -103,10 +103,15 @@ class ParallelConfig:
     """Tensor-parallel size (Megatron TP): splits attention heads and the MLP across ranks."""
     pipeline_model_parallel_size: int = 1
     """Pipeline-parallel size (Megatron PP): splits layers into stages; 1F1B schedule, CUDA only."""
+    distributed_timeout_minutes: float = 10.0
+    """Minutes a collective waits for the other ranks before this rank gives up, names itself, the
+    collective's phase of training and the backend's report, and exits (a hung or lost rank)."""
 
     def __post_init__(self):
         _positive("parallel", tensor_model_parallel_size=self.tensor_model_parallel_size,
                   pipeline_model_parallel_size=self.pipeline_model_parallel_size)
+        _require(self.distributed_timeout_minutes > 0,
+                 f"parallel.distributed_timeout_minutes must be > 0, got {self.distributed_timeout_minutes}")
 
 
 @dataclass

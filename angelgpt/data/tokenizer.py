@@ -97,7 +97,7 @@ def load_tokenizer(spec: Optional[str]):
                           f"tokenizer available offline") from None
 
 
-def train_tokenizer(inputs: List[str], output: str, vocab_size: int = 32000, model_type: str = "bpe",
+def train_tokenizer(inputs: List[str], output: str, vocab_size: int = 32000, model_type: str = "unigram",
                     input_sentence_size: int = 2_000_000, text_key: str = "text") -> dict:
     """Trains a SentencePiece model that round-trips any text exactly (identity normalisation, byte
     fallback, no dummy prefix, whitespace kept) and writes tokenizer.model and tokenizer.json."""

@@ -24,6 +24,7 @@ class TrainingAborted(RuntimeError):
 
 
 _SIGNALLED = {"count": 0}
+PHASE = {"now": "set-up"}  # what training is doing, for a rank that reports a collective timing out
 
 
 def install_signal_handlers() -> None:
@@ -174,11 +175,13 @@ class Trainer:
         last = self.iteration >= cfg.train.train_iters
         in_a_row = 0
         while not last:
+            PHASE["now"] = f"iteration {self.iteration + 1}: forward and backward"
             self._zero_grad()
             stats = self._run(it, forward_only=False)
             loss = _mean_loss(stats, self.device)
             loss_ok = all_ranks(math.isfinite(loss) or not parallel_state.is_pipeline_last_stage(), self.device)
             if loss_ok:
+                PHASE["now"] = f"iteration {self.iteration + 1}: optimizer step"
                 ok, grad_norm, _ = self.optimizer.step()
             else:  # a non-finite loss: leave the weights alone
                 ok, grad_norm = False, float("nan")
@@ -199,6 +202,7 @@ class Trainer:
                 cfg.train.exit_interval and self.iteration % cfg.train.exit_interval == 0)
             val_loss = None
             if cfg.train.eval_interval and (self.iteration % cfg.train.eval_interval == 0 or last) and self.valid_ds:
+                PHASE["now"] = f"iteration {self.iteration}: evaluation"
                 val_loss = self.evaluate()
             if self.iteration % cfg.logging.log_interval == 0 or last or val_loss is not None:
                 if self.on_gpu:
@@ -221,6 +225,7 @@ class Trainer:
                 window_start, window_iters = time.perf_counter(), 0
             if cfg.checkpoint.save and (last or (cfg.checkpoint.save_interval
                                                  and self.iteration % cfg.checkpoint.save_interval == 0)):
+                PHASE["now"] = f"iteration {self.iteration}: checkpoint save"
                 self.save()
                 window_start, window_iters = time.perf_counter(), 0
         self.writer.close()

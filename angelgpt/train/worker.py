@@ -70,7 +70,8 @@ def run(cfg) -> float:
         raise ConfigError("train.device is 'cuda' but no CUDA GPU is visible")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cfg.data_parallel_size(world)
-    parallel.initialize(cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size, on_gpu)
+    parallel.initialize(cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size, on_gpu,
+                        cfg.parallel.distributed_timeout_minutes)
     torch.manual_seed(cfg.train.seed)
     if on_gpu:
         from megatron.core import tensor_parallel
@@ -117,8 +118,15 @@ def main(argv=None) -> int:
             print(f"angelgpt: error: {exc}", file=sys.stderr, flush=True)
         return 2
     except Exception as exc:
-        from angelgpt.train.loop import TrainingAborted
+        from angelgpt import parallel
+        from angelgpt.train.loop import PHASE, TrainingAborted
 
+        if parallel.is_timeout(exc):  # every rank that gave up says so: the silent one is the culprit
+            report = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+            print(f"angelgpt: rank {os.environ.get('RANK', '0')}: a collective timed out after "
+                  f"{cfg.parallel.distributed_timeout_minutes:g} min (parallel.distributed_timeout_minutes) during "
+                  f"{PHASE['now']}; another rank stopped answering ({report[:200]})", file=sys.stderr, flush=True)
+            return 1
         if not isinstance(exc, TrainingAborted):
             raise
         if int(os.environ.get("RANK", "0")) == 0:

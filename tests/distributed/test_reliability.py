@@ -164,3 +164,26 @@ def test_worker_killed_by_sigkill_is_named_in_the_last_line(tmp_path):
     assert last.startswith("angelgpt: error: training workers exited with code 1: a worker was killed by "
                            "SIGKILL"), err[-2000:]
     assert "out-of-memory killer" in last
+
+
+def test_a_rank_that_stops_answering_is_reported_by_the_others(tmp_path):
+    """One of two gloo workers is frozen (SIGSTOP) mid-run: the other gives up after
+    parallel.distributed_timeout_minutes and names itself, the phase of training and the backend's report;
+    the run fails instead of hanging."""
+    proc = start_cli("train", "--size", "tiny", "--device", "cpu", "--nproc-per-node", "2", *WIDER,
+                     "train.train_iters=100000", "logging.log_interval=1", "parallel.distributed_timeout_minutes=0.1")
+    try:
+        line = proc.stdout.readline()
+        while line and "iteration" not in line:  # training is under way
+            line = proc.stdout.readline()
+        frozen = next(w for w in workers(proc) if "torch.distributed.run" not in " ".join(w.cmdline())
+                      and w.environ().get("RANK") == "1")
+        frozen.suspend()
+        _, err = proc.communicate(timeout=150)
+    finally:
+        proc.kill()
+    assert proc.returncode != 0
+    reports = [x for x in err.splitlines() if "a collective timed out" in x]
+    assert reports and reports[0].startswith("angelgpt: rank 0: a collective timed out after 0.1 min "
+                                             "(parallel.distributed_timeout_minutes) during iteration "), err[-3000:]
+    assert "another rank stopped answering" in reports[0]
