@@ -46,7 +46,8 @@ from angelgpt.config import Config
 from angelgpt.train.optim import _no_weight_decay, clip_coefficient
 from angelgpt.zero_cache.pipeline import Profile, Streams
 from angelgpt.zero_cache.placement import SLICE, STATES, partition, place, slices
-from angelgpt.zero_cache.tiers import DeviceTier, HostTier, NVMeTier, available_bytes, check_capacity
+from angelgpt.zero_cache.tiers import (DeviceTier, HostTier, NVMeTier, available_bytes, check_capacity,
+                                       check_memlock)
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -192,6 +193,10 @@ class ZeroCacheOptimizer:
         if not zc.nvme_path:
             needed.pop("nvme")
         check_capacity(needed, avail)
+        if self.device.type == "cuda":  # what crosses PCIe is pinned: host gradients, offloaded weights
+            off = sum(c.numel for c, t in zip(self.chunks, tiers) if t != "device")
+            own_weights = sum(c.numel for c in self.chunks if flags[c.group]) if self.accumulate else 0
+            check_memlock(grad_bytes * (off + own_weights))
         self.planned_bytes = needed
 
     def _allocate(self) -> None:

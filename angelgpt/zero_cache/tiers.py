@@ -164,6 +164,20 @@ def check_capacity(needed: dict, available: dict) -> None:
                           f"raise zero_cache.host_max_gib / nvme_max_gib, or set zero_cache.nvme_path")
 
 
+def check_memlock(pinned_bytes: int, privileged: Optional[bool] = None) -> None:
+    """Refuses, before anything is pinned, what the memlock limit (ulimit -l) would not let this process
+    lock. A privileged process (root, CAP_IPC_LOCK) is not bound by it."""
+    import resource
+
+    if privileged is None:
+        privileged = os.geteuid() == 0
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if not privileged and soft != resource.RLIM_INFINITY and pinned_bytes > soft:
+        raise ConfigError(f"zero_cache: {pinned_bytes:,} B ({pinned_bytes / GIB:.2f} GiB) of host memory must be "
+                          f"pinned but the memlock limit (ulimit -l) allows {soft:,} B; raise it (ulimit -l "
+                          f"unlimited, or docker run --ulimit memlock=-1)")
+
+
 def host_bytes(host_max_gib: Optional[float]) -> int:
     """Host memory the store may take: host_max_gib, else MemAvailable less a small reserve."""
     if host_max_gib is not None:

@@ -184,3 +184,24 @@ def test_unwritable_nvme_path_is_refused(tmp_path):
     proc = run_cli("train", "--size", "tiny", "--device", "cpu", "optim.optimizer=zero_cache",
                    f"zero_cache.nvme_path={blocker / 'sub'}")
     check_one_line_error(proc, "is not writable", in_worker=True)
+
+
+def test_pinning_beyond_the_memlock_limit_is_refused():
+    """With ulimit -l lowered to 64 KiB, an unprivileged process that must pin 64 MiB is refused with both
+    numbers; the same within the limit, or with the limit lifted (privileged), passes."""
+    script = ("import resource, sys\n"
+              "resource.setrlimit(resource.RLIMIT_MEMLOCK, (1 << 16, resource.getrlimit(resource.RLIMIT_MEMLOCK)[1]))\n"
+              "from angelgpt.config import ConfigError\n"
+              "from angelgpt.zero_cache.tiers import check_memlock\n"
+              "check_memlock(1 << 15, privileged=False)\n"
+              "check_memlock(64 << 20, privileged=True)\n"
+              "try:\n"
+              "    check_memlock(64 << 20, privileged=False)\n"
+              "except ConfigError as exc:\n"
+              "    print(exc)\n"
+              "    sys.exit(2)\n")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stdout.strip() == ("zero_cache: 67,108,864 B (0.06 GiB) of host memory must be pinned but the "
+                                   "memlock limit (ulimit -l) allows 65,536 B; raise it (ulimit -l unlimited, "
+                                   "or docker run --ulimit memlock=-1)")
