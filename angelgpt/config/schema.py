@@ -178,11 +178,15 @@ class ZeroCacheConfig:
     buffers (device or pinned host), so the GPU holds only the gradients in flight rather than every
     gradient until the last micro batch; costs a D2H copy and a host add per micro batch."""
     max_contigous_params_size: int = -1
-    """Bytes of GPU memory for gathered/prefetched parameters; -1 means no limit."""
+    """Bytes of GPU memory for fetched (offloaded) weights, the running layer's and those prefetched:
+    prefetching stops short of it; -1 means no limit."""
     prefetch_bucket_size: int = 50_000_000
-    """Parameters fetched ahead of the layer that runs, per prefetch step."""
-    max_live_parameters: int = 1_000_000_000
-    """Most gathered parameters resident on GPU at once."""
+    """Parameters of the next offloaded layers fetched ahead of the one that runs (forward order, or
+    reverse while backward recomputes); the next layer is always prefetched, further ones while their
+    sum stays within this."""
+    max_live_parameters: int = -1
+    """Most fetched parameters on the GPU at once, the running layer's and those prefetched: prefetching
+    stops short of it (the layer about to run is always fetched); -1 means no limit."""
     max_param_reduce_events: int = 1
     """Gradient reduce-scatters in flight at once (0 or 1 recommended)."""
     is_communication_time_profiling: bool = False
@@ -208,8 +212,9 @@ class ZeroCacheConfig:
                  f"zero_cache.offload_params must be true, false or 'auto', got '{self.offload_params}'")
         _require(self.max_contigous_params_size == -1 or self.max_contigous_params_size > 0,
                  f"zero_cache.max_contigous_params_size must be -1 or > 0, got {self.max_contigous_params_size}")
-        _positive("zero_cache", prefetch_bucket_size=self.prefetch_bucket_size,
-                  max_live_parameters=self.max_live_parameters)
+        _positive("zero_cache", prefetch_bucket_size=self.prefetch_bucket_size)
+        _require(self.max_live_parameters == -1 or self.max_live_parameters > 0,
+                 f"zero_cache.max_live_parameters must be -1 or > 0, got {self.max_live_parameters}")
         _require(self.max_param_reduce_events >= 0,
                  f"zero_cache.max_param_reduce_events must be >= 0, got {self.max_param_reduce_events}")
         _require(self.host_max_gib is None or self.host_max_gib >= 0,

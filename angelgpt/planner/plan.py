@@ -27,7 +27,7 @@ from typing import Dict, Optional
 from angelgpt.config import Config
 from angelgpt.model.flops import flops_per_iteration
 from angelgpt.planner.layout import chunk_numels, rank_params
-from angelgpt.zero_cache.placement import SLICE, STATES, place
+from angelgpt.zero_cache.placement import SLICE, STATES, place, prefetch_depth
 
 GIB = 1024 ** 3
 MODEL_BYTES = 2  # bf16 weights and gradients on GPU
@@ -91,12 +91,19 @@ def accumulating(cfg: Config, dp: int) -> bool:
                                                 and cfg.zero_cache.accumulate_in_store)
 
 
+def fetch_depth(cfg: Config, layer_numel: int, dtype_bytes: int) -> int:
+    """Offloaded layers ZeRO-Cache prefetches ahead of the running one, from the zero_cache knobs."""
+    zc = cfg.zero_cache
+    return prefetch_depth(layer_numel, zc.prefetch_bucket_size, zc.max_live_parameters,
+                          zc.max_contigous_params_size, dtype_bytes)
+
+
 def device_reserve(cfg: Config, largest_chunk: int, grad_bytes: int, offloaded: bool, model_numel: int,
                    dp: int) -> int:
     """Device memory ZeRO-Cache needs beside its states and resident weights: activations, workspace,
     gradients (those of every parameter while micro batches accumulate, else those in flight), and
     offloaded layers being used, prefetched or not yet freed by autograd."""
-    fetched = 3 * largest_chunk * grad_bytes if offloaded else 0
+    fetched = (2 + fetch_depth(cfg, largest_chunk, grad_bytes)) * largest_chunk * grad_bytes if offloaded else 0
     grads = model_numel * grad_bytes if accumulating(cfg, dp) else 2 * largest_chunk * grad_bytes
     return activation_bytes(cfg) + WORKSPACE + grads + fetched
 
@@ -223,7 +230,9 @@ def plan_zero_cache(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int
     resident = model_numel - sum(offloaded) * dp
     gpu = {
         "weights": resident * MODEL_BYTES,
-        "fetched_weights": 3 * largest_layer * MODEL_BYTES if offloaded else 0,  # in use, prefetched, freeing
+        # in use, prefetched, freeing
+        "fetched_weights": (2 + fetch_depth(cfg, largest_layer, MODEL_BYTES)) * largest_layer * MODEL_BYTES
+        if offloaded else 0,
         # accumulated over micro batches (every parameter's), else only those between backward and offload
         "gradients": model_numel * MODEL_BYTES if accumulating(cfg, dp) else 2 * largest_layer * MODEL_BYTES,
         "cached_states": tb["device"],

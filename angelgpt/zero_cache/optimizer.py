@@ -45,7 +45,7 @@ from megatron.core import parallel_state
 from angelgpt.config import Config
 from angelgpt.train.optim import _no_weight_decay, clip_coefficient
 from angelgpt.zero_cache.pipeline import Profile, Streams
-from angelgpt.zero_cache.placement import SLICE, STATES, partition, place, slices
+from angelgpt.zero_cache.placement import SLICE, STATES, partition, place, prefetch_depth, slices
 from angelgpt.zero_cache.tiers import (DeviceTier, HostTier, NVMeTier, available_bytes, check_capacity,
                                        check_memlock)
 
@@ -154,7 +154,12 @@ class ZeroCacheOptimizer:
         self._place(zc)
         self.streams = Streams(device)
         self.profile = Profile(device, enabled=zc.is_communication_time_profiling)
-        self._live: Dict[int, Tuple[torch.Tensor, object]] = {}
+        self._live: Dict[int, Tuple[torch.Tensor, object]] = {}  # fetched layers: weights, H2D event
+        self.peak_live_params = 0  # most fetched parameters on the device at once
+        offloaded = [sum(self._n(p) for p in g) for g, f in zip(self.sub_groups, self.partitioned) if f]
+        self.prefetch_depth = prefetch_depth(max(offloaded, default=1), zc.prefetch_bucket_size,
+                                             zc.max_live_parameters, zc.max_contigous_params_size,
+                                             self.params[0].element_size())
         self._allocate()
         self._release_offloaded()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero-cache-update")
@@ -320,6 +325,7 @@ class ZeroCacheOptimizer:
                 p.data = full[off:off + self._n(p)].view(self.shape[id(p)])
                 off += self._n(p)
         self._live[gi] = (full, ready)
+        self.peak_live_params = max(self.peak_live_params, sum(self.layouts[g][1] * self.dp_size for g in self._live))
 
     def _use(self, gi: int) -> None:
         """Layer gi is about to run: its weights are fetched (waited for on this stream)."""
@@ -336,10 +342,12 @@ class ZeroCacheOptimizer:
         for gi in gis:
             if self.partitioned[gi]:
                 self._use(gi)
-                # prefetch: the next layer in forward order, or the previous one while backward recomputes
+                # prefetch: the next layers in forward order, or the previous ones while backward recomputes
                 step = -1 if (torch.is_grad_enabled() and self.recompute) else 1
-                nxt = gi + step
-                if 0 <= nxt < len(self.partitioned) and self.partitioned[nxt]:
+                for k in range(1, self.prefetch_depth + 1):
+                    nxt = gi + k * step
+                    if not (0 <= nxt < len(self.partitioned) and self.partitioned[nxt]):
+                        break
                     self._fetch(nxt)
             else:
                 self._complete(gi)

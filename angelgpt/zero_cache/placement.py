@@ -74,6 +74,19 @@ def host_room_for_states(host_limit: float, numels: List[int], grad_bytes: int, 
     return host_limit - fixed
 
 
+def prefetch_depth(layer_numel: int, prefetch_bucket_size: int, max_live_parameters: int,
+                   max_contigous_params_size: int, dtype_bytes: int) -> int:
+    """Offloaded layers fetched ahead of the one that runs: the next always, more while they fit in
+    prefetch_bucket_size; fewer where max_live_parameters or max_contigous_params_size (the running
+    layer included; -1 for no limit) allow fewer."""
+    depth = max(1, prefetch_bucket_size // max(1, layer_numel))
+    caps = [c for c in (max_live_parameters,
+                        max_contigous_params_size // dtype_bytes if max_contigous_params_size > 0 else -1) if c >= 0]
+    if caps:
+        depth = min(depth, min(caps) // max(1, layer_numel) - 1)
+    return max(0, depth)
+
+
 def offloaded_layers(chunk_groups: List[int], tiers: List[str], n_groups: int, enabled: bool) -> List[bool]:
     """Per sub-group: are its weights offloaded (offload_params)? Transformer layers only (not the first
     and last sub-groups, which run at both ends of the model), and only when none of this rank's chunks

@@ -118,6 +118,29 @@ def test_offloaded_weights_update_equals_torch_adamw(tmp_path, dp, nvme):
             assert r["allocated"].get(tier, 0) == predicted[tier], (tier, r["allocated"], predicted)
 
 
+@pytest.mark.parametrize("knob", ["default", "max_live_parameters", "max_contigous_params_size"])
+def test_prefetch_depth_follows_the_knobs(tmp_path, knob):
+    """Offloaded layers are prefetched while they fit prefetch_bucket_size (by default every layer of the
+    tiny model); a live cap of one layer (in parameters, or in bytes) stops prefetching, so a forward
+    without autograd holds one layer's weights at a time; updates equal torch AdamW either way."""
+    overrides = ["zero_cache.prefetch_cache_sub_group_rate=0.0", "zero_cache.offload_params=true"]
+    (tmp_path / "probe").mkdir()
+    probe = adamw_check(tmp_path / "probe", 1, *overrides)[0]
+    layer = max(probe["layer_params"])
+    if knob == "max_live_parameters":
+        overrides.append(f"zero_cache.max_live_parameters={layer}")
+    elif knob == "max_contigous_params_size":
+        overrides.append(f"zero_cache.max_contigous_params_size={4 * layer}")  # fp32 weights on CPU
+    r = probe if knob == "default" else adamw_check(tmp_path, 1, *overrides)[0]
+    assert r["three_updates_rel_err"] < 1e-6, r
+    if knob == "default":
+        assert r["prefetch_depth"] >= len(r["layer_params"]) - 1
+        assert r["eval_peak_live_params"] == sum(r["layer_params"]), r  # every layer fetched ahead of use
+    else:
+        assert r["prefetch_depth"] == 0
+        assert r["eval_peak_live_params"] == layer, r  # one layer at a time
+
+
 @pytest.mark.parametrize("layout", [("dp2", 2, []), ("tp2", 2, ["parallel.tensor_model_parallel_size=2"]),
                                     ("tp2dp2", 4, ["parallel.tensor_model_parallel_size=2"])],
                          ids=lambda x: x[0])

@@ -75,6 +75,10 @@ def main():
             with opt.materialized():
                 first_err = max(((p.to(q.device) - q).norm() / q.norm()).item()
                                 for p, q in zip(model.parameters(), ref.parameters()))
+    opt.peak_live_params = 0  # a forward without autograd (evaluation): each layer is released after use
+    with torch.no_grad():
+        model(tokens, pos, None, labels=tokens)
+    eval_peak = opt.peak_live_params
     # after three updates the key biases, whose true gradient is zero, carry rounding noise that Adam
     # normalises into full steps, so the later updates are compared over the whole model
     with opt.materialized():  # offloaded layers' weights read from their host copies
@@ -89,7 +93,9 @@ def main():
     result = {"rank": rank, "first_update_max_rel_err": first_err, "three_updates_rel_err": err, "tiers": tiers, "allocated": allocated, "planned": opt.planned_bytes,
               "nvme_files": nvme_files, "nvme_dir": nvme_dir, "owned_numel": sum(c.numel for c in opt.chunks),
               "total_numel": sum(ref_p.numel() for ref_p in ref.parameters()), "offloaded_layers": offloaded,
-              "released_after_use": released}
+              "released_after_use": released, "prefetch_depth": opt.prefetch_depth,
+              "eval_peak_live_params": eval_peak,
+              "layer_params": [opt.layouts[gi][1] * opt.dp_size for gi in offloaded]}
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, result)
     if rank == 0:
