@@ -92,7 +92,7 @@ def load_results():
         out.append(dict(file=f.name, system=system, layers=layers, ok=r["returncode"] == 0 and steps >= 3,
                         params=None, tflops=r.get("tflops_per_gpu_median"), tokens=r.get("tokens_per_s_median"),
                         gpu=r.get("peak_gpu_gib"), host=r.get("peak_host_gib"), oom=r.get("oom"),
-                        oom_kind=r.get("oom_kind") or ("host" if "SIGKILL" in r.get("log_tail", "") else None),
+                        oom_kind=r.get("oom_kind"),
                         commit=r.get("commit", "")[:10], steps=steps, mb=mb, gb=gb, profile=profile,
                         step_ms=r.get("elapsed_ms_median"), settings=settings(r.get("command", ""))))
     return out

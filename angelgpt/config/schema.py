@@ -171,12 +171,14 @@ class ZeroCacheConfig:
     offload_params: Union[bool, str] = "auto"
     """Keep the model-dtype weights of layers whose states are off the GPU in pinned host memory and
     fetch each layer just before it runs, releasing it after (ZeRO-3 parameter offload, prefetching the
-    next layer); 'auto' turns it on with full activation recompute, which is when it saves GPU memory,
-    unless several micro batches accumulate in the store (each would fetch the weights again)."""
+    next layer); 'auto' turns it on with full activation recompute, which is when it saves GPU memory;
+    when several micro batches accumulate in the store (each would fetch the weights again), only if the
+    planner finds the weights do not fit on the GPU."""
     accumulate_in_store: bool = False
     """Reduce every micro batch's gradients to their owner and add them up in the store's gradient
     buffers (device or pinned host), so the GPU holds only the gradients in flight rather than every
-    gradient until the last micro batch; costs a D2H copy and a host add per micro batch."""
+    gradient until the last micro batch; after the first micro batch a host chunk's running sum makes a
+    round trip over PCIe (up to a device slot, add, back down) per micro batch."""
     max_contigous_params_size: int = -1
     """Bytes of GPU memory for fetched (offloaded) weights, the running layer's and those prefetched:
     prefetching stops short of it; -1 means no limit."""

@@ -45,7 +45,8 @@ from megatron.core import parallel_state
 from angelgpt.config import Config
 from angelgpt.train.optim import _no_weight_decay, clip_coefficient
 from angelgpt.zero_cache.pipeline import Profile, Streams
-from angelgpt.zero_cache.placement import SLICE, STATES, partition, place, prefetch_depth, slices
+from angelgpt.zero_cache.placement import (SLICE, STATES, largest_off_device_group, partition, place,
+                                           prefetch_depth, slices)
 from angelgpt.zero_cache.tiers import (DeviceTier, HostTier, NVMeTier, available_bytes, check_capacity,
                                        check_memlock)
 
@@ -222,14 +223,10 @@ class ZeroCacheOptimizer:
                         for _ in range(2)] if upload and on_cuda else []
         self._upload_done, self._slot = [None, None], 0  # which upload buffer comes next
         self._acc_slots, self._acc_free, self._acc_slot = [], [None, None], 0
-        if self.accumulate:  # two device slots: a host chunk's running sum makes its round trip through one
-            per_group = collections.Counter()
-            for c in self.chunks:
-                if c.tier != "device":
-                    per_group[c.group] += c.numel
-            if per_group:
-                self._acc_slots = [self.tiers["device"].allocate(max(per_group.values()), self.model_dtype)
-                                   for _ in range(2)]
+        slot = largest_off_device_group([c.group for c in self.chunks], [c.numel for c in self.chunks],
+                                        [c.tier for c in self.chunks])
+        if self.accumulate and slot:  # two device slots: a host chunk's running sum makes its round trip through one
+            self._acc_slots = [self.tiers["device"].allocate(slot, self.model_dtype) for _ in range(2)]
         done = collections.Counter()
         for c in reversed(self.chunks):  # last layers first: offloaded ones leave the device before states arrive
             grad_tier = self.tiers["device" if c.tier == "device" else "host"]

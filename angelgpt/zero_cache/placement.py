@@ -104,12 +104,17 @@ def accumulation_bytes(groups: List[int], numels: List[int], tiers: List[str], f
     off-device gradients (a running sum makes its round trip through one); on the host, offloaded
     layers' weights in their own buffers (their gradient buffers fill from the first micro batch on,
     while later ones still fetch the weights)."""
+    weights = sum(n for g, n in zip(groups, numels) if flags[g])
+    return {"device": grad_bytes * 2 * largest_off_device_group(groups, numels, tiers), "host": grad_bytes * weights}
+
+
+def largest_off_device_group(groups: List[int], numels: List[int], tiers: List[str]) -> int:
+    """Elements of the sub-group with the most off-device chunk elements (the size of an accumulation slot)."""
     per_group: Dict[int, int] = {}
     for g, n, t in zip(groups, numels, tiers):
         if t != "device":
             per_group[g] = per_group.get(g, 0) + n
-    weights = sum(n for g, n in zip(groups, numels) if flags[g])
-    return {"device": grad_bytes * 2 * max(per_group.values(), default=0), "host": grad_bytes * weights}
+    return max(per_group.values(), default=0)
 
 
 def place(groups: List[int], numels: List[int], n_groups: int, rate: float, host_limit: float, nvme_enabled: bool,
