@@ -5,6 +5,7 @@
 # packs every result file and log into OUTDIR/results.tgz.
 #   bash scripts/gpu_bench.sh OUTDIR SECONDS "zero_cache:20:2:2 megatron:7:4:32" [adamw]
 #   ITERS=4 bash scripts/gpu_bench.sh /tmp/out 300 "zero_cache:20:2:2"
+#   ADAMW_SPECS="0.3:device_update" bash scripts/gpu_bench.sh /tmp/out 300 "zero_cache:19:2:32" adamw
 set -u
 outdir=$1; guard=$2; cases=$3; shift 3
 if ls .whl/*.whl > /dev/null 2>&1; then
@@ -16,12 +17,16 @@ work=$(mktemp -d)
 export ANGELGPT_BENCH_OUT="$work"
 (grep MemAvailable /proc/meminfo; nvidia-smi --query-gpu=name,memory.total --format=csv) > "$work/machine.txt"
 if [ "${1:-}" = adamw ]; then
-  for spec in "0.0 none" "0.5 nvme" "1.0 none" "0.0 offload"; do
+  for spec in ${ADAMW_SPECS:-"0.0:none" "0.5:nvme" "1.0:none" "0.0:offload" "0.3:device_update" "0.3:device_update_accumulate"}; do
+    spec=${spec/:/ }
     set -- $spec
-    extra=""
+    extra="" micro=1
     [ "$2" = nvme ] && extra="zero_cache.nvme_path=$work/nvme zero_cache.host_max_gib=0.0015"
     [ "$2" = offload ] && extra="zero_cache.offload_params=true"
-    ANGELGPT_CHECK_DEVICE=cuda ANGELGPT_ZERO_CACHE_SLICE=1000 timeout 120 python3 -m torch.distributed.run \
+    [ "${2%_accumulate}" = device_update ] && extra="zero_cache.device_update_fraction=0.5 zero_cache.offload_params=false"
+    [ "$2" = device_update_accumulate ] && extra="$extra zero_cache.accumulate_in_store=true" && micro=2
+    ANGELGPT_CHECK_MICROBATCHES=$micro ANGELGPT_CHECK_DEVICE=cuda ANGELGPT_ZERO_CACHE_SLICE=1000 \
+      timeout 120 python3 -m torch.distributed.run \
       --standalone --nproc-per-node 1 tests/distributed/zero_cache_adamw_check.py "$work/adamw-cuda-rate$1-$2.json" \
       zero_cache.prefetch_cache_sub_group_rate=$1 $extra > "$work/adamw-cuda-$1-$2.log" 2>&1
   done

@@ -179,6 +179,12 @@ class ZeroCacheConfig:
     buffers (device or pinned host), so the GPU holds only the gradients in flight rather than every
     gradient until the last micro batch; after the first micro batch a host chunk's running sum makes a
     round trip over PCIe (up to a device slot, add, back down) per micro batch."""
+    device_update_fraction: Union[float, str] = "auto"
+    """Fraction (0.0 to 1.0) of the host-resident states that the GPU updates instead of the CPU: their
+    fp32 states and gradients stream up, fused AdamW runs on the device, the new weights go straight
+    into the model and the states stream back, while the CPU updates the rest at the same time.
+    'auto' splits by the rates of the two paths (PCIe against the CPU update) so both finish
+    together; 0.0 leaves every host update to the CPU. Pins those states in host memory."""
     max_contigous_params_size: int = -1
     """Bytes of GPU memory for fetched (offloaded) weights, the running layer's and those prefetched:
     prefetching stops short of it; -1 means no limit."""
@@ -210,6 +216,11 @@ class ZeroCacheConfig:
         else:
             _require(0.0 <= rate <= 1.0, f"zero_cache.prefetch_cache_sub_group_rate must be in [0, 1] or "
                                          f"'auto', got {rate}")
+        frac = self.device_update_fraction
+        _require(frac == "auto" if isinstance(frac, str) else 0.0 <= frac <= 1.0,
+                 f"zero_cache.device_update_fraction must be a number in [0, 1] or 'auto', got "
+                 f"{frac!r}" if isinstance(frac, str) else
+                 f"zero_cache.device_update_fraction must be in [0, 1] or 'auto', got {frac}")
         _require(self.offload_params in (True, False, "auto"),
                  f"zero_cache.offload_params must be true, false or 'auto', got '{self.offload_params}'")
         _require(self.max_contigous_params_size == -1 or self.max_contigous_params_size > 0,

@@ -27,7 +27,7 @@ from typing import Dict, Optional
 from angelgpt.config import Config
 from angelgpt.model.flops import flops_per_iteration
 from angelgpt.planner.layout import chunk_numels, rank_params
-from angelgpt.zero_cache.placement import SLICE, STATES, place, prefetch_depth
+from angelgpt.zero_cache.placement import SLICE, STATES, device_updated, place, prefetch_depth
 
 GIB = 1024 ** 3
 MODEL_BYTES = 2  # bf16 weights and gradients on GPU
@@ -124,6 +124,7 @@ class SystemPlan:
     rate: Optional[float] = None
     tflops_per_gpu: float = 0.0
     offload_params: Optional[bool] = None  # zero_cache: are the weights of host-resident layers offloaded
+    device_update_fraction: Optional[float] = None  # zero_cache: of the host-resident states, updated on the GPU
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -180,10 +181,22 @@ def _resident_first(cfg: Config, dp: int):
     return [replace(cfg, zero_cache=replace(zc, offload_params=v)) for v in (False, True)]
 
 
+def device_update_fraction(cfg: Config, hw: Machine, gpus_per_node: int) -> float:
+    """zero_cache.device_update_fraction, 'auto' resolved so that the device path (PCIe up: fp32 states
+    and the model-dtype gradient) and the CPU path finish their shares of the host update together."""
+    frac = cfg.zero_cache.device_update_fraction
+    if frac != "auto":
+        return float(frac)
+    device_rate = hw.pcie_gbs * 1e9 / (STATES * 4 + MODEL_BYTES)  # elements/s per GPU
+    cpu_rate = hw.cpu_update_gparams * 1e9 / gpus_per_node
+    return round(device_rate / (device_rate + cpu_rate), 2)
+
+
 def rank_tier_bytes(cfg: Config, dp: int, dp_rank: int, rate: float, host_limit: float, use_nvme: bool,
-                    grad_bytes: int = MODEL_BYTES, pp_rank: int = 0):
+                    grad_bytes: int = MODEL_BYTES, pp_rank: int = 0, fraction: float = 0.0):
     """Chunk sizes, tiers and bytes per tier of one rank's ZeRO-Cache store, as the optimizer places them,
-    and the sizes of the chunks whose weights are offloaded (held in pinned host memory, not on the GPU)."""
+    the sizes of the chunks whose weights are offloaded (held in pinned host memory, not on the GPU),
+    and per chunk whether the device updates it (`fraction` of the host chunks)."""
     params = rank_params(cfg, pp_rank)
     n_groups = len({p.sub_group for p in params})
     in_store = cfg.zero_cache.accumulate_in_store and micro_batches(cfg, dp) > 1
@@ -192,14 +205,14 @@ def rank_tier_bytes(cfg: Config, dp: int, dp_rank: int, rate: float, host_limit:
         chunks = chunk_numels(params, dp, rank)
         groups, numels = [g for g, _ in chunks], [n for _, n in chunks]
         return (groups, numels, *place(groups, numels, n_groups, float(rate), host_limit, use_nvme, grad_bytes,
-                                       offload_params_on(cfg), in_store, allowed))
+                                       offload_params_on(cfg), in_store, allowed, fraction))
 
     allowed = None
     if dp > 1:  # a layer is offloaded on every rank or on none, as the optimizer agrees over DP
         allowed = [all(fs) for fs in zip(*(placed(r)[3] for r in range(dp)))]
     groups, numels, tiers, flags, need = placed(dp_rank, allowed)
     offloaded = [n for g, n in zip(groups, numels) if flags[g]]
-    return numels, tiers, need, offloaded
+    return numels, tiers, need, offloaded, device_updated(groups, numels, tiers, flags, fraction)
 
 
 def plan_zero_cache(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int = 1,
@@ -221,7 +234,9 @@ def plan_zero_cache(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int
     host_limit = hw.host_mem_gib * GIB / gpus_per_node - HOST_PROCESS
     if zc.host_max_gib is not None:
         host_limit = min(host_limit, zc.host_max_gib * GIB)
-    numels, tiers, tb, offloaded = rank_tier_bytes(cfg, dp, 0, float(rate), host_limit, use_nvme)
+    fraction = device_update_fraction(cfg, hw, gpus_per_node)
+    numels, tiers, tb, offloaded, streamed = rank_tier_bytes(cfg, dp, 0, float(rate), host_limit, use_nvme,
+                                                             fraction=fraction)
     group_sizes = {}
     for p in params:
         group_sizes[p.sub_group] = group_sizes.get(p.sub_group, 0) + p.numel
@@ -235,12 +250,12 @@ def plan_zero_cache(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int
         if offloaded else 0,
         # accumulated over micro batches (every parameter's), else only those between backward and offload
         "gradients": model_numel * MODEL_BYTES if accumulating(cfg, dp) else 2 * largest_layer * MODEL_BYTES,
-        "cached_states": tb["device"],
+        "cached_states": tb["device"],  # with the device update buffers
         "activations": activation_bytes(cfg),
         "workspace": WORKSPACE + CUDA_CONTEXT,
     }
     uploads = [n for n, t in zip(numels, tiers) if t != "device"]
-    for n in offloaded:
+    for n in offloaded + [n for n, s in zip(numels, streamed) if s]:  # no upload buffer: fetched, or device-updated
         uploads.remove(n)
     host = {
         "host_states": tb["host"],
@@ -255,8 +270,11 @@ def plan_zero_cache(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int
     nvme_numel = sum(n for n, t in zip(numels, tiers) if t == "nvme")
     off_numel = host_numel + nvme_numel
     d2h = off_numel * MODEL_BYTES / (hw.pcie_gbs * 1e9)
-    h2d = off_numel * MODEL_BYTES / (hw.pcie_gbs * 1e9)
-    cpu = off_numel * gpus_per_node / (hw.cpu_update_gparams * 1e9)
+    on_device = sum(n for n, s in zip(numels, streamed) if s)  # host chunks the GPU updates
+    h2d = (off_numel - on_device) * MODEL_BYTES / (hw.pcie_gbs * 1e9)
+    cpu = (off_numel - on_device) * gpus_per_node / (hw.cpu_update_gparams * 1e9)
+    # their fp32 states and model-dtype gradients up, the states back down (the busier direction counts)
+    cpu = max(cpu, on_device * (STATES * 4 + MODEL_BYTES) / (hw.pcie_gbs * 1e9))
     nvme_io = 2 * nvme_numel * STATES * 4 * gpus_per_node / (hw.nvme_gbs * 1e9)
     network = 0.0
     if dp > 1:  # fp32 reduce-scatter in backward, bf16 all-gather before forward
@@ -286,7 +304,8 @@ def plan_zero_cache(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int
         "network": max(0.0, network - compute / 2),
     }
     return replace(_finish("zero_cache", cfg, hw, gpus_per_node, world, gpu, host, tb.get("nvme", 0), step,
-                           float(rate)), offload_params=offload_params_on(cfg))
+                           float(rate)), offload_params=offload_params_on(cfg),
+                   device_update_fraction=fraction if any(streamed) else 0.0)
 
 
 def auto_plan(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int = 1, nvme: bool = False) -> SystemPlan:
@@ -395,12 +414,15 @@ def this_machine(cfg: Config, gpu_total_bytes: int, gpus_per_node: int) -> Machi
 
 
 def auto_settings(cfg: Config, device, dp_size: int):
-    """ZeRO-Cache's 'auto' settings in a worker: (prefetch_cache_sub_group_rate, offload_params), the
-    planner's choice for this GPU and the host memory ZeRO-Cache may take here (what the optimizer's
-    capacity check will allow). On CPU: everything on the device, offload_params as configured."""
-    rate = cfg.zero_cache.prefetch_cache_sub_group_rate
+    """ZeRO-Cache's 'auto' settings in a worker: (prefetch_cache_sub_group_rate, offload_params,
+    device_update_fraction), the planner's choice for this GPU and the host memory ZeRO-Cache may take
+    here (what the optimizer's capacity check will allow). On CPU: everything on the device,
+    offload_params as configured, no host state updated on the device unless a fraction is set."""
+    zc = cfg.zero_cache
+    rate = zc.prefetch_cache_sub_group_rate
     if device.type != "cuda":
-        return (1.0 if rate == "auto" else float(rate)), offload_params_on(cfg)
+        frac = 0.0 if zc.device_update_fraction == "auto" else float(zc.device_update_fraction)
+        return (1.0 if rate == "auto" else float(rate)), offload_params_on(cfg), frac
     import os
 
     import torch
@@ -411,4 +433,4 @@ def auto_settings(cfg: Config, device, dp_size: int):
     nvme = bool(cfg.zero_cache.nvme_path)
     p = auto_plan(cfg, hw, local, nodes, nvme) if rate == "auto" else plan_zero_cache(cfg, hw, local, nodes,
                                                                                      float(rate), nvme)
-    return p.rate, p.offload_params
+    return p.rate, p.offload_params, device_update_fraction(cfg, hw, local)

@@ -45,8 +45,8 @@ from megatron.core import parallel_state
 from angelgpt.config import Config
 from angelgpt.train.optim import _no_weight_decay, clip_coefficient
 from angelgpt.zero_cache.pipeline import Profile, Streams
-from angelgpt.zero_cache.placement import (SLICE, STATES, largest_off_device_group, partition, place,
-                                           prefetch_depth, slices)
+from angelgpt.zero_cache.placement import (DEVICE_UPDATE_SLICE, SLICE, STATES, device_updated,
+                                           largest_off_device_group, partition, place, prefetch_depth, slices)
 from angelgpt.zero_cache.tiers import (DeviceTier, HostTier, NVMeTier, available_bytes, check_capacity,
                                        check_memlock)
 
@@ -85,6 +85,8 @@ class Chunk:
     grad_ready: Optional[object] = None  # CUDA event: the gradient's D2H copy is done
     weights: Optional[torch.Tensor] = None  # offloaded layer (offload_params): its weights, in the grad buffer
     step: Optional[torch.Tensor] = None
+    device_update: bool = False  # a host chunk that the device updates (device_update_fraction)
+    states_home: Optional[object] = None  # CUDA event: its states are back in host memory after that update
 
     def views(self, flat: torch.Tensor):
         for p, off, shape in zip(self.params, self.offsets, self.shapes):
@@ -109,7 +111,8 @@ class ZeroCacheOptimizer:
         self.accumulate = zc.accumulate_in_store and self.num_microbatches > 1
         from angelgpt.planner import auto_settings
 
-        rate, self.offload_params = auto_settings(cfg, device, self.dp_size)  # 'auto' as the planner resolves it
+        # 'auto' as the planner resolves it
+        rate, self.offload_params, self.device_update_fraction = auto_settings(cfg, device, self.dp_size)
         self.rate = float(rate)
 
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -164,8 +167,9 @@ class ZeroCacheOptimizer:
         self._allocate()
         self._release_offloaded()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero-cache-update")
+        self._device_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero-cache-device-update")
         self._prefetcher = ThreadPoolExecutor(max_workers=1) if self.nvme else None
-        self._pending: Dict[int, Future] = {}  # sub-group -> its update in flight (events to wait on)
+        self._pending: Dict[int, List[Future]] = {}  # sub-group -> its updates in flight (events to wait on)
         self._needs_gather: set = set()
         self._handles = []
         self._install_hooks(model, named)
@@ -178,15 +182,18 @@ class ZeroCacheOptimizer:
         grad_bytes = self.params[0].element_size()
         avail = available_bytes(self.device, zc.host_max_gib, zc.nvme_path, zc.nvme_max_gib)
         numels = [c.numel for c in self.chunks]
-        args = ([c.group for c in self.chunks], numels, len(self.sub_groups), self.rate, avail["host"],
+        groups = [c.group for c in self.chunks]
+        args = (groups, numels, len(self.sub_groups), self.rate, avail["host"],
                 bool(zc.nvme_path), grad_bytes, self.offload_params, self.accumulate)
-        tiers, flags, needed = place(*args)
+        kw = {"device_update_fraction": self.device_update_fraction}
+        tiers, flags, needed = place(*args, **kw)
         if self.dp_size > 1:  # a layer is fetched (and all-gathered) on every rank or on none
             t = torch.tensor([float(f) for f in flags], device=self.device)
             dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
-            tiers, flags, needed = place(*args, allowed=[bool(v) for v in t.tolist()])
-        for c, t in zip(self.chunks, tiers):
-            c.tier = t
+            tiers, flags, needed = place(*args, allowed=[bool(v) for v in t.tolist()], **kw)
+        for c, t, d in zip(self.chunks, tiers, device_updated(groups, numels, tiers, flags,
+                                                               self.device_update_fraction)):
+            c.tier, c.device_update = t, d
         self.partitioned = flags
         if self.device.type == "cuda":  # what training needs beside the states, as the planner counts it
             largest = max(sum(self._n(p) for p in g) for g in self.sub_groups)
@@ -199,10 +206,12 @@ class ZeroCacheOptimizer:
         if not zc.nvme_path:
             needed.pop("nvme")
         check_capacity(needed, avail)
-        if self.device.type == "cuda":  # what crosses PCIe is pinned: host gradients, offloaded weights
+        if self.device.type == "cuda":  # what crosses PCIe is pinned: host gradients, offloaded weights,
+            # the states the device updates
             off = sum(c.numel for c, t in zip(self.chunks, tiers) if t != "device")
             own_weights = sum(c.numel for c in self.chunks if flags[c.group]) if self.accumulate else 0
-            check_memlock(grad_bytes * (off + own_weights))
+            streamed = sum(c.numel for c in self.chunks if c.device_update)
+            check_memlock(grad_bytes * (off + own_weights) + STATES * 4 * streamed)
         self.planned_bytes = needed
 
     def _allocate(self) -> None:
@@ -217,7 +226,8 @@ class ZeroCacheOptimizer:
         nvme_sizes = [c.numel for c in self.chunks if c.tier == "nvme"]
         if nvme_sizes:
             self.tiers["host"].bytes += self.nvme.reserve_staging(STATES * max(nvme_sizes))
-        upload = [c.numel for c in self.chunks if c.tier != "device" and not self.partitioned[c.group]]
+        upload = [c.numel for c in self.chunks
+                  if c.tier != "device" and not self.partitioned[c.group] and not c.device_update]
         # two pinned buffers in the model dtype carry updated weights to the device (double buffered)
         self._upload = [torch.empty(min(max(upload), SLICE), dtype=self.model_dtype, pin_memory=True)
                         for _ in range(2)] if upload and on_cuda else []
@@ -227,11 +237,17 @@ class ZeroCacheOptimizer:
                                         [c.tier for c in self.chunks])
         if self.accumulate and slot:  # two device slots: a host chunk's running sum makes its round trip through one
             self._acc_slots = [self.tiers["device"].allocate(slot, self.model_dtype) for _ in range(2)]
+        streamed = [c.numel for c in self.chunks if c.device_update]
+        n = min(max(streamed, default=0), DEVICE_UPDATE_SLICE)
+        # two device buffers for host chunks updated on the device: [states | fp32 gradient], gradient as it arrives
+        self._update_bufs = [(self.tiers["device"].allocate((STATES + 1) * n).view(STATES + 1, n),
+                              self.tiers["device"].allocate(n, self.model_dtype)) for _ in range(2 if n else 0)]
+        self._update_free, self._update_slot = [None, None], 0
         done = collections.Counter()
         for c in reversed(self.chunks):  # last layers first: offloaded ones leave the device before states arrive
             grad_tier = self.tiers["device" if c.tier == "device" else "host"]
             c.grad = grad_tier.allocate(c.numel, self.model_dtype, pinned=True)
-            step_device = self.device if c.tier == "device" else torch.device("cpu")
+            step_device = self.device if c.tier == "device" or c.device_update else torch.device("cpu")
             c.step = torch.zeros((), dtype=torch.float32, device=step_device)
             # the owned weights reach the chunk through its gradient buffer (pinned when it is on the host)
             for p, view in c.views(c.grad):
@@ -247,7 +263,7 @@ class ZeroCacheOptimizer:
                 staging[:c.numel].copy_(c.grad)
                 NVMeTier.write(c.file, staging)
             else:
-                c.states = self.tiers[c.tier].allocate(STATES * c.numel).view(STATES, c.numel)
+                c.states = self.tiers[c.tier].allocate(STATES * c.numel, pinned=c.device_update).view(STATES, c.numel)
                 c.states[0].copy_(c.grad)
             done[c.group] += 1
             if self.partitioned[c.group] and done[c.group] == len(self.chunks_of[c.group]):
@@ -613,8 +629,13 @@ class ZeroCacheOptimizer:
             for c in self.chunks_of[gi]:
                 if c.tier == "device":
                     self._update_on_device(c, coef, hyper)
-            if any(c.tier != "device" for c in self.chunks_of[gi]):
-                self._pending[gi] = self._worker.submit(self._update_off_device, gi, coef, hyper, after_backward)
+            futures = []
+            if any(c.tier != "device" and not c.device_update for c in self.chunks_of[gi]):
+                futures.append(self._worker.submit(self._update_off_device, gi, coef, hyper, after_backward))
+            if any(c.device_update for c in self.chunks_of[gi]):
+                futures.append(self._device_worker.submit(self._update_streamed, gi, coef, hyper, after_backward))
+            if futures:
+                self._pending[gi] = futures
             if self.dp_size > 1 and not self.partitioned[gi]:
                 self._needs_gather.add(gi)
         if not self.pipelined:
@@ -646,7 +667,7 @@ class ZeroCacheOptimizer:
         scratch and the upload buffers hold one slice); returns the events of the uploads."""
         events = []
         for c in self.chunks_of[gi]:
-            if c.tier == "device":
+            if c.tier == "device" or c.device_update:
                 continue
             if c.grad_ready is not None:
                 c.grad_ready.synchronize()
@@ -669,6 +690,55 @@ class ZeroCacheOptimizer:
                 self.profile.busy("nvme", time.perf_counter() - t2, c.numel * STATES * 4)
             self.profile.busy("update_thread", time.perf_counter() - t0)
         return [e for e in events if e is not None]
+
+    def _update_streamed(self, gi: int, coef: float, hyper, after_backward) -> list:
+        """Device-update thread: the host chunks of one sub-group that the device updates, a slice at a
+        time through two device buffers: fp32 states and gradient up (H2D stream), fused AdamW there,
+        the new weights straight into the model, the states back down (D2H stream). Returns the events
+        the next forward waits on (weights written); the states' return is waited on by their next
+        upload, and by wait_all."""
+        events = []
+        cuda, h2d, d2h = self.streams.cuda, self.streams.h2d, self.streams.d2h
+        on_h2d = (lambda: torch.cuda.stream(h2d)) if cuda else contextlib.nullcontext
+        for c in self.chunks_of[gi]:
+            if not c.device_update:
+                continue
+            t0 = time.perf_counter()
+            with on_h2d():
+                c.step += 1
+                if cuda:
+                    h2d.wait_event(after_backward)  # the gradients are in, backward read the old weights
+                    if c.states_home is not None:
+                        h2d.wait_event(c.states_home)  # the previous update's states are home
+            for lo, hi in slices(c.numel, DEVICE_UPDATE_SLICE):
+                i = self._update_slot = 1 - self._update_slot
+                if self._update_free[i] is not None:
+                    self._update_free[i].synchronize()  # the buffer's last states have left it
+                buf, grad_in = self._update_bufs[i]
+                states, grad, grad_in = buf[:STATES, :hi - lo], buf[STATES, :hi - lo], grad_in[:hi - lo]
+                t1 = self.profile.start("device_update", h2d)
+                with on_h2d():
+                    for k in range(STATES):  # row by row: each row slice is contiguous (async copies)
+                        states[k].copy_(c.states[k, lo:hi], non_blocking=True)
+                    grad_in.copy_(c.grad[lo:hi], non_blocking=True)
+                    grad.copy_(grad_in)
+                    self._adamw(c, states, grad, hyper, coef)
+                    for p, a, b, sa, sb in self._param_ranges(c, lo, hi):
+                        p.data.view(-1)[a:b].copy_(states[0, sa - lo:sb - lo])
+                    updated = h2d.record_event() if cuda else None
+                self.profile.stop("device_update", t1, h2d)
+                self.profile.add_bytes("device_update", (hi - lo) * (2 * STATES * 4 + grad_in.element_size()))
+                if not cuda:
+                    c.states[:, lo:hi].copy_(states)
+                    continue
+                with torch.cuda.stream(d2h):
+                    d2h.wait_event(updated)
+                    for k in range(STATES):
+                        c.states[k, lo:hi].copy_(states[k], non_blocking=True)
+                    c.states_home = self._update_free[i] = d2h.record_event()
+                events.append(updated)
+            self.profile.busy("device_update_thread", time.perf_counter() - t0)
+        return events
 
     def _nvme_states(self, c: Chunk) -> torch.Tensor:
         """Reads this NVMe chunk (prefetched while the previous one was updated) and starts the next read."""
@@ -721,10 +791,10 @@ class ZeroCacheOptimizer:
 
     def _complete(self, gi: int) -> None:
         """Makes sub-group gi's updated weights usable on the current stream (the forward pre-hook)."""
-        fut = self._pending.pop(gi, None)
-        if fut is not None:
+        futures = self._pending.pop(gi, None)
+        if futures:
             t0 = time.perf_counter()
-            events = fut.result()
+            events = [e for fut in futures for e in fut.result()]
             self.profile.exposed("wait_update", time.perf_counter() - t0)
             for e in events:
                 torch.cuda.current_stream(self.device).wait_event(e)
@@ -736,6 +806,10 @@ class ZeroCacheOptimizer:
         """Every pending update applied (before a checkpoint, an evaluation or the end)."""
         for gi in sorted(set(self._pending) | self._needs_gather):
             self._complete(gi)
+        for c in self.chunks:  # the states the device updated are back in host memory
+            if c.states_home is not None:
+                c.states_home.synchronize()
+                c.states_home = None
 
     @torch.no_grad()
     def _all_gather(self, gi: int) -> None:
@@ -835,6 +909,7 @@ class ZeroCacheOptimizer:
     def close(self) -> None:
         self.wait_all()
         self._worker.shutdown()
+        self._device_worker.shutdown()
         if self._prefetcher:
             self._prefetcher.shutdown()
         for h in self._handles:

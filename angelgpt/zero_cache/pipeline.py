@@ -28,7 +28,7 @@ class Streams:
 
 class Profile:
     BUSY = ("reduce_scatter", "all_gather", "d2h", "h2d", "fetch", "nvme", "accumulate", "cpu_optimizer",
-            "update_thread")
+            "update_thread", "device_update", "device_update_thread")
     EXPOSED = ("wait_update", "wait_fetch", "step")
 
     def __init__(self, device: torch.device, enabled: bool):

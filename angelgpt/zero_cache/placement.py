@@ -9,11 +9,13 @@ from typing import Dict, List
 STATES = 3  # fp32 master weights, exp_avg, exp_avg_sq
 # elements updated at a time: the fp32 gradient scratch and the upload buffers hold one slice
 SLICE = int(os.environ.get("ANGELGPT_ZERO_CACHE_SLICE", 1 << 26))
+# elements a device update buffer holds (two of them: host chunks updated on the device stream through them)
+DEVICE_UPDATE_SLICE = min(SLICE, 1 << 25)
 
 
-def slices(numel: int):
-    """[lo, hi) ranges of at most SLICE elements covering a chunk."""
-    return [(lo, min(numel, lo + SLICE)) for lo in range(0, numel, SLICE)]
+def slices(numel: int, size: int = SLICE):
+    """[lo, hi) ranges of at most `size` elements covering a chunk."""
+    return [(lo, min(numel, lo + size)) for lo in range(0, numel, size)]
 
 
 def partition(numels: List[int], ranks: int) -> List[int]:
@@ -117,13 +119,40 @@ def largest_off_device_group(groups: List[int], numels: List[int], tiers: List[s
     return max(per_group.values(), default=0)
 
 
+def device_updated(groups: List[int], numels: List[int], tiers: List[str], flags: List[bool],
+                   fraction: float) -> List[bool]:
+    """Per chunk: is this host chunk updated on the device (states up, fused AdamW there, states back)
+    rather than by the CPU? About `fraction` of the host chunks' elements, interleaved with the CPU's
+    share in forward order (both update in forward order at once, and the next forward needs the first
+    layers first). Host chunks only (NVMe chunks stream through the CPU), and only of layers whose
+    weights stay on the device (the device update writes the new weights in place)."""
+    out, done, seen = [], 0, 0
+    for g, n, t in zip(groups, numels, tiers):
+        mine = t == "host" and not flags[g] and fraction > 0.0
+        if mine:
+            seen += n
+            mine = done + n <= fraction * seen + 0.5 * n
+            done += n if mine else 0
+        out.append(mine)
+    return out
+
+
+def device_update_bytes(numels: List[int], streamed: List[bool], grad_bytes: int) -> int:
+    """Device memory of the two device update buffers (none when no chunk is updated there): fp32
+    master, exp_avg, exp_avg_sq and gradient, and the gradient as it arrives in the model dtype."""
+    largest = max((n for n, s in zip(numels, streamed) if s), default=0)
+    return 2 * ((STATES + 1) * 4 + grad_bytes) * min(largest, DEVICE_UPDATE_SLICE)
+
+
 def place(groups: List[int], numels: List[int], n_groups: int, rate: float, host_limit: float, nvme_enabled: bool,
-          grad_bytes: int, offload_params: bool, accumulate_in_store: bool = False, allowed=None):
+          grad_bytes: int, offload_params: bool, accumulate_in_store: bool = False, allowed=None,
+          device_update_fraction: float = 0.0):
     """Tiers per chunk, offloaded-weights flag per sub-group and bytes per tier. With NVMe, what the
     host cannot hold goes there: the host budget for states shrinks until everything on the host
     (states, gradients, scratch, staging) fits, or nothing more can move. An offloaded layer's weights
     live in its pinned gradient buffer: the last backward reads them before its gradients land there,
-    and the update writes the new weights back."""
+    and the update writes the new weights back. Host chunks updated on the device (`device_updated`)
+    add its two update buffers to the device's bytes."""
     room = host_room_for_states(host_limit, numels, grad_bytes, nvme_enabled)
     while True:
         tiers = plan_tiers([n * 4 * STATES for n in numels], rate, room, nvme_enabled)
@@ -134,6 +163,8 @@ def place(groups: List[int], numels: List[int], n_groups: int, rate: float, host
         if accumulate_in_store:
             for tier, extra in accumulation_bytes(groups, numels, tiers, flags, grad_bytes).items():
                 need[tier] += extra
+        need["device"] += device_update_bytes(numels, device_updated(groups, numels, tiers, flags,
+                                                                     device_update_fraction), grad_bytes)
         over = need["host"] - host_limit
         if not nvme_enabled or over <= 0 or room <= 0:
             return tiers, flags, need

@@ -1,6 +1,7 @@
 """ZeRO-Cache on CPU under gloo with real torchrun processes: AdamW equality over every tier mix,
 training trajectory against optimizer megatron, checkpoint resume into another placement, refusals."""
 
+import importlib
 import json
 import math
 import os
@@ -12,6 +13,7 @@ import pytest
 
 from angelgpt.config import resolve
 from angelgpt.planner.plan import rank_tier_bytes
+from angelgpt.zero_cache import placement
 from tests.conftest import ROOT, run_cli, train_tiny
 from tests.unit.test_cli_errors import check_one_line_error
 
@@ -92,6 +94,34 @@ def test_accumulating_in_the_store_equals_torch_adamw(tmp_path, dp):
             predicted = rank_tier_bytes(cfg, dp, r["rank"], rate, 1 << 50, False, grad_bytes=4)[2]
             for tier in ("device", "host"):  # staging slots and separate weight copies included
                 assert r["allocated"][tier] == predicted[tier], (extra, tier, r["allocated"], predicted)
+
+
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+def test_host_chunks_updated_on_the_device_equal_torch_adamw(tmp_path, monkeypatch, fraction):
+    """device_update_fraction: that share of the host chunks streams through the device's two update
+    buffers (slices of 1000 elements, so a chunk takes several trips and slices cut through
+    parameters) while the CPU updates the rest; with gradients accumulated in the store over DP=2,
+    the updates still equal torch AdamW, and the planner predicts the bytes (update buffers included)."""
+    overrides = ["zero_cache.prefetch_cache_sub_group_rate=0.3", "zero_cache.offload_params=false",
+                 f"zero_cache.device_update_fraction={fraction}", "zero_cache.accumulate_in_store=true"]
+    ranks = adamw_check(tmp_path, 2, *overrides,
+                        env_extra={"ANGELGPT_ZERO_CACHE_SLICE": "1000", "ANGELGPT_CHECK_MICROBATCHES": "2"})
+    cfg = resolve("tiny", overrides=["optim.optimizer=zero_cache", "train.micro_batch_size=2",
+                                     "train.global_batch_size=8", *overrides])
+    for r in ranks:
+        assert r["first_update_max_rel_err"] < 1e-6, r
+        assert r["three_updates_rel_err"] < 1e-6, r
+        assert set(r["tiers"]) == {"device", "host"}, r["tiers"]
+        if fraction == 1.0:
+            assert r["device_updated"] == r["host_numel"], r
+        else:
+            assert 0 < r["device_updated"] < r["host_numel"], r
+        for module in (placement, importlib.import_module("angelgpt.planner.plan")):  # the workers' slice size
+            monkeypatch.setattr(module, "SLICE", 1000)
+        monkeypatch.setattr(placement, "DEVICE_UPDATE_SLICE", 1000)
+        predicted = rank_tier_bytes(cfg, 2, r["rank"], 0.3, 1 << 50, False, grad_bytes=4, fraction=fraction)[2]
+        for tier in ("device", "host"):
+            assert r["allocated"][tier] == predicted[tier], (tier, r["allocated"], predicted)
 
 
 @pytest.mark.parametrize("dp", [1, 2])

@@ -95,6 +95,8 @@ def main():
               "total_numel": sum(ref_p.numel() for ref_p in ref.parameters()), "offloaded_layers": offloaded,
               "released_after_use": released, "prefetch_depth": opt.prefetch_depth,
               "eval_peak_live_params": eval_peak,
+              "device_updated": sum(c.numel for c in opt.chunks if c.device_update),
+              "host_numel": sum(c.numel for c in opt.chunks if c.tier == "host"),
               "layer_params": [opt.layouts[gi][1] * opt.dp_size for gi in offloaded]}
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, result)
