@@ -45,8 +45,9 @@ from megatron.core import parallel_state
 from angelgpt.config import Config
 from angelgpt.train.optim import _no_weight_decay, clip_coefficient
 from angelgpt.zero_cache.pipeline import Profile, Streams
-from angelgpt.zero_cache.placement import (DEVICE_UPDATE_SLICE, SLICE, STATES, device_updated,
-                                           largest_off_device_group, partition, place, prefetch_depth, slices)
+from angelgpt.zero_cache.placement import (ACCUMULATION_SLOTS, DEVICE_UPDATE_SLICE, SLICE, STATES,
+                                           device_updated, largest_off_device_group, partition, place,
+                                           prefetch_depth, slices)
 from angelgpt.zero_cache.tiers import (DeviceTier, HostTier, NVMeTier, available_bytes, check_capacity,
                                        check_memlock)
 
@@ -232,17 +233,7 @@ class ZeroCacheOptimizer:
         self._upload = [torch.empty(min(max(upload), SLICE), dtype=self.model_dtype, pin_memory=True)
                         for _ in range(2)] if upload and on_cuda else []
         self._upload_done, self._slot = [None, None], 0  # which upload buffer comes next
-        self._acc_slots, self._acc_free, self._acc_slot = [], [None, None], 0
-        slot = largest_off_device_group([c.group for c in self.chunks], [c.numel for c in self.chunks],
-                                        [c.tier for c in self.chunks])
-        if self.accumulate and slot:  # two device slots: a host chunk's running sum makes its round trip through one
-            self._acc_slots = [self.tiers["device"].allocate(slot, self.model_dtype) for _ in range(2)]
-        streamed = [c.numel for c in self.chunks if c.device_update]
-        n = min(max(streamed, default=0), DEVICE_UPDATE_SLICE)
-        # two device buffers for host chunks updated on the device: [states | fp32 gradient], gradient as it arrives
-        self._update_bufs = [(self.tiers["device"].allocate((STATES + 1) * n).view(STATES + 1, n),
-                              self.tiers["device"].allocate(n, self.model_dtype)) for _ in range(2 if n else 0)]
-        self._update_free, self._update_slot = [None, None], 0
+        self._allocate_shared()
         done = collections.Counter()
         for c in reversed(self.chunks):  # last layers first: offloaded ones leave the device before states arrive
             grad_tier = self.tiers["device" if c.tier == "device" else "host"]
@@ -268,6 +259,26 @@ class ZeroCacheOptimizer:
             done[c.group] += 1
             if self.partitioned[c.group] and done[c.group] == len(self.chunks_of[c.group]):
                 self._release(c.group)
+
+    def _allocate_shared(self) -> None:
+        """One device buffer for what never runs at once: the accumulation slots that host chunks'
+        running sums make their round trips through (later backward passes), and the two buffers that
+        host chunks updated on the device stream through (between the last backward and the next
+        forward): [fp32 states and gradient] x 2, then [gradient as it arrives] x 2."""
+        slot = largest_off_device_group([c.group for c in self.chunks], [c.numel for c in self.chunks],
+                                        [c.tier for c in self.chunks]) if self.accumulate else 0
+        n = min(max((c.numel for c in self.chunks if c.device_update), default=0), DEVICE_UPDATE_SLICE)
+        size = self.model_dtype.itemsize
+        nbytes = max(ACCUMULATION_SLOTS * slot * size, 2 * ((STATES + 1) * 4 + size) * n)
+        pool = self.tiers["device"].allocate(nbytes, torch.uint8) if nbytes else None
+        self._acc_slots = [pool[i * slot * size:(i + 1) * slot * size].view(self.model_dtype)
+                           for i in range(ACCUMULATION_SLOTS)] if slot else []
+        self._acc_free, self._acc_slot = [None] * ACCUMULATION_SLOTS, 0
+        states = (STATES + 1) * 4 * n
+        self._update_bufs = [(pool[j * states:(j + 1) * states].view(torch.float32).view(STATES + 1, n),
+                              pool[2 * states + j * n * size:2 * states + (j + 1) * n * size].view(self.model_dtype))
+                             for j in range(2)] if n else []
+        self._update_free, self._update_slot = [None, None], 0
 
     def allocated_bytes(self) -> Dict[str, int]:
         """Bytes each tier actually holds (chunk states, owned gradients, scratch and staging)."""
@@ -533,7 +544,7 @@ class ZeroCacheOptimizer:
                 host.append((p, g, view))
         if not host:
             return
-        i = self._acc_slot = 1 - self._acc_slot
+        i = self._acc_slot = (self._acc_slot + 1) % len(self._acc_slots)
         slot, pieces, off = self._acc_slots[i], [], 0
         for p, g, view in host:
             pieces.append((g.reshape(-1), view, slot[off:off + g.numel()], param_is_not_tensor_parallel_duplicate(p)))
@@ -547,8 +558,14 @@ class ZeroCacheOptimizer:
                     self._sq += torch.linalg.vector_norm(s, dtype=torch.float32).square()
             return
         if self._acc_free[i] is not None:
+            t0 = time.perf_counter()
             self._acc_free[i].synchronize()  # the slot's last round trip is home (bounds gradients in flight)
+            self.profile.exposed("wait_slot", time.perf_counter() - t0)
         h2d, d2h = self.streams.h2d, self.streams.d2h
+        for j, e in enumerate(self._update_free):  # the device update that shares the slots' memory is done
+            if e is not None:
+                h2d.wait_event(e)
+                self._update_free[j] = None
         produced = torch.cuda.current_stream(self.device).record_event()
         t0 = self.profile.start("accumulate", h2d)
         with torch.cuda.stream(h2d):  # the sum so far comes up and the new gradients are added to it

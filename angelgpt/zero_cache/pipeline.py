@@ -6,7 +6,8 @@ on NCCL's own stream. On CPU there are no streams and every copy is synchronous.
 Profile (``zero_cache.is_communication_time_profiling``): per iteration, the busy time of each
 transfer and of the optimizer (CUDA events on their streams, wall time on the update thread), and
 the time the training thread was exposed to them (waiting in a forward pre-hook for a sub-group's
-update, or in ``step()`` for the norm). Busy time minus exposed time is what overlapped compute.
+update, in a backward hook for an accumulation slot to come home, or in ``step()`` for the norm).
+Busy time minus exposed time is what overlapped compute.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ class Streams:
 class Profile:
     BUSY = ("reduce_scatter", "all_gather", "d2h", "h2d", "fetch", "nvme", "accumulate", "cpu_optimizer",
             "update_thread", "device_update", "device_update_thread")
-    EXPOSED = ("wait_update", "wait_fetch", "step")
+    EXPOSED = ("wait_update", "wait_fetch", "wait_slot", "step")
 
     def __init__(self, device: torch.device, enabled: bool):
         self.enabled = enabled

@@ -11,6 +11,9 @@ STATES = 3  # fp32 master weights, exp_avg, exp_avg_sq
 SLICE = int(os.environ.get("ANGELGPT_ZERO_CACHE_SLICE", 1 << 26))
 # elements a device update buffer holds (two of them: host chunks updated on the device stream through them)
 DEVICE_UPDATE_SLICE = min(SLICE, 1 << 25)
+# device slots that host chunks' running sums make their round trips through (accumulate_in_store): one
+# more than two lets a slot's trip home overlap the next layer's backward
+ACCUMULATION_SLOTS = 3
 
 
 def slices(numel: int, size: int = SLICE):
@@ -102,12 +105,13 @@ def offloaded_layers(chunk_groups: List[int], tiers: List[str], n_groups: int, e
 
 def accumulation_bytes(groups: List[int], numels: List[int], tiers: List[str], flags: List[bool],
                        grad_bytes: int) -> Dict[str, int]:
-    """Bytes that accumulating in the store adds: on the device, two slots of the largest sub-group's
-    off-device gradients (a running sum makes its round trip through one); on the host, offloaded
-    layers' weights in their own buffers (their gradient buffers fill from the first micro batch on,
-    while later ones still fetch the weights)."""
+    """Bytes that accumulating in the store adds: on the device, ACCUMULATION_SLOTS slots of the
+    largest sub-group's off-device gradients (a running sum makes its round trip through one); on the
+    host, offloaded layers' weights in their own buffers (their gradient buffers fill from the first
+    micro batch on, while later ones still fetch the weights)."""
     weights = sum(n for g, n in zip(groups, numels) if flags[g])
-    return {"device": grad_bytes * 2 * largest_off_device_group(groups, numels, tiers), "host": grad_bytes * weights}
+    return {"device": grad_bytes * ACCUMULATION_SLOTS * largest_off_device_group(groups, numels, tiers),
+            "host": grad_bytes * weights}
 
 
 def largest_off_device_group(groups: List[int], numels: List[int], tiers: List[str]) -> int:
@@ -152,7 +156,7 @@ def place(groups: List[int], numels: List[int], n_groups: int, rate: float, host
     (states, gradients, scratch, staging) fits, or nothing more can move. An offloaded layer's weights
     live in its pinned gradient buffer: the last backward reads them before its gradients land there,
     and the update writes the new weights back. Host chunks updated on the device (`device_updated`)
-    add its two update buffers to the device's bytes."""
+    need two update buffers on the device, which share their memory with the accumulation slots."""
     room = host_room_for_states(host_limit, numels, grad_bytes, nvme_enabled)
     while True:
         tiers = plan_tiers([n * 4 * STATES for n in numels], rate, room, nvme_enabled)
@@ -160,11 +164,13 @@ def place(groups: List[int], numels: List[int], n_groups: int, rate: float, host
         if allowed is not None:  # over DP a layer is offloaded on every rank or on none
             flags = [f and a for f, a in zip(flags, allowed)]
         need = tier_bytes(numels, tiers, grad_bytes)  # an offloaded layer's weights share its gradient buffer
-        if accumulate_in_store:
-            for tier, extra in accumulation_bytes(groups, numels, tiers, flags, grad_bytes).items():
-                need[tier] += extra
-        need["device"] += device_update_bytes(numels, device_updated(groups, numels, tiers, flags,
-                                                                     device_update_fraction), grad_bytes)
+        slots = (accumulation_bytes(groups, numels, tiers, flags, grad_bytes) if accumulate_in_store
+                 else {"device": 0, "host": 0})
+        need["host"] += slots["host"]
+        # the accumulation slots and the device update buffers share one device buffer: the update runs
+        # between the last backward and the next forward, the round trips during later backward passes
+        need["device"] += max(slots["device"], device_update_bytes(
+            numels, device_updated(groups, numels, tiers, flags, device_update_fraction), grad_bytes))
         over = need["host"] - host_limit
         if not nvme_enabled or over <= 0 or room <= 0:
             return tiers, flags, need
