@@ -4,7 +4,7 @@
 # equality on CUDA tensors, runs the peer cases of scripts/bench_peers.py under a time guard, and
 # packs every result file and log into OUTDIR/results.tgz.
 #   bash scripts/gpu_bench.sh OUTDIR SECONDS "zero_cache:20:2:2 megatron:7:4:32" [adamw]
-#   ITERS=4 bash scripts/gpu_bench.sh /tmp/out 300 "zero_cache:20:2:2"
+#   ITERS=4 FORCE=1 bash scripts/gpu_bench.sh /tmp/out 300 "zero_cache:20:2:2"   (FORCE: run cases that have results)
 #   ADAMW_SPECS="0.3:device_update" bash scripts/gpu_bench.sh /tmp/out 300 "zero_cache:19:2:32" adamw
 set -u
 outdir=$1; guard=$2; cases=$3; shift 3
@@ -31,7 +31,7 @@ if [ "${1:-}" = adamw ]; then
       zero_cache.prefetch_cache_sub_group_rate=$1 $extra > "$work/adamw-cuda-$1-$2.log" 2>&1
   done
 fi
-timeout "$guard" python3 scripts/bench_peers.py run $cases --iters "${ITERS:-6}" --warmup 1 \
+timeout "$guard" python3 scripts/bench_peers.py run $cases --iters "${ITERS:-6}" --warmup 1 ${FORCE:+--force} \
   --extra zero_cache.is_communication_time_profiling=true > "$work/peers.log" 2>&1
 mkdir -p "$outdir"
 tar czf "$outdir/results.tgz" -C "$work" --exclude nvme .
