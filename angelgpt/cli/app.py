@@ -233,7 +233,7 @@ def train(
         _check_plan(cfg, nproc_per_node, nnodes, force)
     if dry_run:
         return
-    rc, why = launch.run(cmd, launch.worker_env(on_gpu, nproc_per_node))
+    rc, why = launch.run(cmd, launch.worker_env(on_gpu, nproc_per_node, cfg.optim.optimizer))
     if rc == 2:
         raise SystemExit(2)
     if rc != 0:

@@ -36,9 +36,12 @@ def torchrun_command(rdzv: Rendezvous, worker_args: List[str]) -> List[str]:
     return cmd + ["-m", "angelgpt.train.worker"] + worker_args
 
 
-def worker_env(on_gpu: bool, nproc_per_node: int) -> dict:
+def worker_env(on_gpu: bool, nproc_per_node: int, optimizer: str = "megatron") -> dict:
     env = dict(os.environ)
-    env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    if optimizer != "zero_cache":
+        # Megatron's launch scripts use one hardware work queue; ZeRO-Cache needs several, or its
+        # transfer streams' waits hold up the compute kernels queued behind them
+        env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, nproc_per_node))))
     env.setdefault("PYTHONWARNINGS", "ignore")

@@ -74,3 +74,13 @@ def test_help_does_not_import_torch_distributed():
             "print('torch.distributed' in sys.modules, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.split()
     assert out == ["False", "False"]
+
+
+def test_worker_env_gives_zero_cache_several_hardware_queues(monkeypatch):
+    """One hardware work queue (Megatron's CUDA_DEVICE_MAX_CONNECTIONS=1) would put the compute kernels
+    behind ZeRO-Cache's transfer-stream waits; Megatron's optimizers keep Megatron's setting."""
+    from angelgpt.cli import launch
+
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in launch.worker_env(True, 1, "zero_cache")
+    assert launch.worker_env(True, 1, "megatron")["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
