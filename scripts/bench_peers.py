@@ -99,7 +99,7 @@ def load_results():
 
 
 NOTABLE = ("optim.offload_fraction", "zero_cache.accumulate_in_store", "zero_cache.offload_params",
-           "zero_cache.nvme_path")
+           "zero_cache.device_update_fraction", "zero_cache.nvme_path")
 
 
 def settings(command: str) -> str:
@@ -190,17 +190,20 @@ def report(args) -> int:
     profiled = [r for r in rows if r["profile"]]
     if profiled:
         lines += ["## ZeRO-Cache time profile (median per step after warm-up, `is_communication_time_profiling`)",
-                  "", "| layers | micro / global batch | step ms | D2H ms (GB) | weight fetch ms (GB) | "
-                  "in-store accumulation round trips ms (GB) | host update ms (of it AdamW) | "
-                  "exposed: waiting for the update ms | waiting for a fetch ms |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "", "| layers | micro / global batch | commit | step ms | D2H ms (GB) | weight fetch ms (GB) | "
+                  "in-store accumulation round trips ms (GB) | host states updated by the CPU ms (of it AdamW) | "
+                  "host states updated on the GPU ms (GB over PCIe) | exposed: waiting for the update ms | "
+                  "waiting for a fetch ms | waiting for an accumulation slot ms |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in sorted(profiled, key=lambda r: (r["layers"], r["gb"])):
             p = r["profile"]
-            lines.append(f"| {r['layers']} | {r['mb']} / {r['gb']} | {r['step_ms']:.0f} | {p['d2h_ms']:.0f} "
-                         f"({p.get('d2h_gb', 0):.1f}) | {p['fetch_ms']:.0f} ({p.get('fetch_gb', 0):.1f}) | "
+            lines.append(f"| {r['layers']} | {r['mb']} / {r['gb']} | {r['commit'][:7]} | {r['step_ms']:.0f} | "
+                         f"{p['d2h_ms']:.0f} ({p.get('d2h_gb', 0):.1f}) | {p['fetch_ms']:.0f} ({p.get('fetch_gb', 0):.1f}) | "
                          f"{p.get('accumulate_ms', 0):.0f} ({p.get('accumulate_gb', 0):.1f}) | "
-                         f"{p['update_thread_ms']:.0f} ({p['cpu_optimizer_ms']:.0f}) | {p['exposed_wait_update_ms']:.0f}"
-                         f" | {p['exposed_wait_fetch_ms']:.0f} |")
+                         f"{p['update_thread_ms']:.0f} ({p['cpu_optimizer_ms']:.0f}) | "
+                         f"{p.get('device_update_thread_ms', 0):.0f} ({p.get('device_update_gb', 0):.1f}) | "
+                         f"{p['exposed_wait_update_ms']:.0f} | {p['exposed_wait_fetch_ms']:.0f} | "
+                         f"{p.get('exposed_wait_slot_ms', 0):.0f} |")
         lines.append("")
     lines += ["## Notes", "",
               "- (c) DeepSpeed ZeRO-3 offload was not run: the GPU machine has no network and DeepSpeed ships "
@@ -208,19 +211,31 @@ def report(args) -> int:
               "when DeepSpeed does not import.",
               "- (e) ZeRO-Cache with the NVMe tier was not run at scale: the NVMe tier is tested for exact AdamW "
               "equality on CPU and on the H200 (tiny model), but a 19B run did not fit into the GPU time.",
-              "- (b) Megatron CPU offload: with offload fraction 1.0, 8 layers were killed by the kernel's "
-              "out-of-memory killer (`megatron_cpu_offload-L8-fraction1.0-host-oom.json`), as were 12 and 13 "
-              "layers at 0.7; 8 layers ran at 0.5. Sizes 9 to 11 at fractions of 0.5 to 0.6 were not tried, "
-              "so (b)'s largest size is the largest measured, not established.",
+              "- (b) Megatron CPU offload: 11 layers ran at offload fraction 0.5. At 12 layers it ran out of GPU "
+              "memory at fractions 0.5 and 0.6 (`megatron_cpu_offload-L12-fraction0.5-gpu-oom.json`, and the "
+              "run in the table) while creating its GPU Adam states, and the kernel's out-of-memory killer "
+              "stopped it at 0.7 (`megatron_cpu_offload-L12-fraction0.7-host-oom.json`), as it did 8 layers at "
+              "1.0 (`megatron_cpu_offload-L8-fraction1.0-host-oom.json`); higher fractions need more host "
+              "memory than 0.7, so 11 layers is its largest size here.",
+              "- (d) runs before commit 4e6d409 (7, 13 and 20 layers) used one CUDA hardware queue "
+              "(CUDA_DEVICE_MAX_CONNECTIONS=1, Megatron's setting, which the launcher now keeps for Megatron's "
+              "optimizers only): every wait of ZeRO-Cache's transfer streams then held up the compute kernels "
+              "queued behind it. The same runs with one queue are kept: 19 layers at global batch 32 "
+              "(`device-update-L19-one-hardware-queue.json`, 317.6 TFLOP/s, against 393.6 with several), 11 "
+              "layers (`device-update-L11-one-hardware-queue.json`, 388.6 against 431.1) and 12 layers "
+              "(`device-update-L12-one-hardware-queue.json`, 381.5 against 430.9).",
               "- (d) at 20 layers ran one micro batch per step (global batch 2). At global batch 32, 19 layers "
               "is the largest size the planner fits: the micro batches' gradients accumulate in the store "
-              "(`zero_cache.accumulate_in_store`): each host chunk's running sum goes up to a device slot, gets "
-              "the new gradients added, and comes back down. The profile table shows what stays exposed there: "
-              "waiting for the CPU update of the host-resident half of the states (about 4 s of a 22 s step) "
-              "and round trips that outlast the backward of the host-resident layers (about 4.7 s). Two earlier "
-              "versions of the same run are kept for comparison: the sums added by the CPU "
-              "(`accumulate-L19-host-add.json`, 243 TFLOP/s) and with the weights of host layers offloaded "
-              "too (`accumulate-L19-offloaded-weights.json`, 245 TFLOP/s, 757 GB over PCIe up per step).", ""]
+              "(`zero_cache.accumulate_in_store`), each host chunk's running sum going up to a device slot, "
+              "getting the new gradients added and coming back down, and 61-64% of the host-resident states "
+              "are updated on the GPU (`zero_cache.device_update_fraction: auto`) while the CPU updates the "
+              "rest. Earlier versions of that run: every host state updated by the CPU "
+              "(`accumulate-L19-cpu-update.json`, 285.4 TFLOP/s), the sums added by the CPU "
+              "(`accumulate-L19-host-add.json`, 243.0), the weights of host layers offloaded too "
+              "(`accumulate-L19-offloaded-weights.json`, 244.9), device updates with two accumulation slots "
+              "(`device-update-L19-two-slots.json`, 316.3); and 12 layers with offloaded weights fetched every "
+              "micro batch (`zero_cache-L12-fetched-weights.json`, 369.9). What stays exposed at 19 layers is "
+              "the wait for the host update (about 2.0 s of a 16.0 s step).", ""]
     (ROOT / "BENCHMARKS.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     try:

@@ -19,6 +19,8 @@ One iteration, pipelined (``pipeline_optimizer: true``):
    the step; device chunks run fused AdamW on the GPU at once, and one worker thread updates host
    and NVMe chunks sub-group by sub-group in forward order (fused CPU AdamW, NVMe chunks double
    buffered), converting each updated master to the model dtype and uploading it on the H2D stream;
+   beside it a second thread has the GPU update ``device_update_fraction`` of the host chunks
+   (states up, fused AdamW there, weights in place, states back down);
 3. next forward: a pre-hook on each sub-group's modules waits for that sub-group's upload only (a
    stream wait on its event), then all-gathers the owners' weights over DP; later sub-groups are
    still being updated while the first layers compute.
