@@ -25,13 +25,13 @@ def read_metrics(path):
     return [json.loads(line) for line in Path(path).read_text().splitlines()]
 
 
-def train_tiny(tmp_path, name, *overrides, nproc=1):
-    """Trains the tiny preset on CPU and returns its per-iteration metrics."""
+def train_tiny(tmp_path, name, *overrides, nproc=1, with_output=False):
+    """Trains the tiny preset on CPU and returns its per-iteration metrics (and its stdout)."""
     metrics = tmp_path / f"{name}.jsonl"
     proc = run_cli("train", "--size", "tiny", "--device", "cpu", "--nproc-per-node", nproc,
                    "--metrics-file", metrics, "logging.log_interval=1", *overrides)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return read_metrics(metrics)
+    return (read_metrics(metrics), proc.stdout) if with_output else read_metrics(metrics)
 
 
 @pytest.fixture

@@ -85,6 +85,8 @@ def run(cfg) -> float:
         raise ConfigError(f"tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size is "
                           f"{cfg.model.vocab_size}; set model.vocab_size={tokenizer.vocab_size}")
     model, optimizer, scheduler = build(cfg, on_gpu)
+    if hasattr(optimizer, "summary"):
+        parallel.print_rank_0(optimizer.summary())
     if on_gpu:
         from angelgpt.parallel import print_rank_0
 

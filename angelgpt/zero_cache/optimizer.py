@@ -282,6 +282,15 @@ class ZeroCacheOptimizer:
                              for j in range(2)] if n else []
         self._update_free, self._update_slot = [None, None], 0
 
+    def summary(self) -> str:
+        """One line: where this rank's states went and who updates the host-resident ones."""
+        owned = {t: sum(c.numel for c in self.chunks if c.tier == t) for t in ("device", "host", "nvme")}
+        on_device = sum(c.numel for c in self.chunks if c.device_update)
+        return (f"zero_cache: prefetch_cache_sub_group_rate {self.rate:.2f}, offload_params {self.offload_params}; "
+                f"owned parameters' states on device {owned['device']:,}, host {owned['host']:,}, nvme "
+                f"{owned['nvme']:,}; host states updated on the device {on_device:,} "
+                f"(device_update_fraction {self.device_update_fraction:.2f})")
+
     def allocated_bytes(self) -> Dict[str, int]:
         """Bytes each tier actually holds (chunk states, owned gradients, scratch and staging)."""
         return {name: tier.bytes for name, tier in self.tiers.items()}

@@ -5,6 +5,7 @@ import importlib
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -177,8 +178,12 @@ def test_prefetch_depth_follows_the_knobs(tmp_path, knob):
 def test_trajectory_follows_megatron_optimizer(tmp_path, layout):
     name, nproc, extra = layout
     ref = train_tiny(tmp_path, "megatron", "train.train_iters=20", *extra, nproc=nproc)
-    zc = train_tiny(tmp_path, "zc", "train.train_iters=20", "optim.optimizer=zero_cache",
-                    "zero_cache.prefetch_cache_sub_group_rate=0.5", *extra, nproc=nproc)
+    # half the states on the host, half of those updated on the device (CPU standing in for it)
+    zc, out = train_tiny(tmp_path, "zc", "train.train_iters=20", "optim.optimizer=zero_cache",
+                         "zero_cache.prefetch_cache_sub_group_rate=0.5", "zero_cache.device_update_fraction=0.5",
+                         *extra, nproc=nproc, with_output=True)
+    on_device = re.search(r"host states updated on the device ([\d,]+)", out)
+    assert on_device and int(on_device.group(1).replace(",", "")) > 0, out[-2000:]
     # every layer's states on the host, weights offloaded and fetched per micro batch,
     # and each micro batch's gradients reduced and added up in the store as it ends
     offload = train_tiny(tmp_path, "zc-offload", "train.train_iters=20", "optim.optimizer=zero_cache",
@@ -208,7 +213,10 @@ def test_checkpoint_rate_0_resumes_with_rate_05(tmp_path):
     ck = tmp_path / "ck"
     train_tiny(tmp_path, "first", *zc, "zero_cache.prefetch_cache_sub_group_rate=0.0", "train.exit_interval=10",
                f"checkpoint.save={ck}", nproc=2)
+    # resumed with half the states on the device, and the host chunks of layers whose weights stay
+    # there (the output layer's) updated on the device
     resumed = train_tiny(tmp_path, "resumed", *zc, "zero_cache.prefetch_cache_sub_group_rate=0.5",
+                         "zero_cache.device_update_fraction=1.0",
                          f"checkpoint.load={ck}", f"checkpoint.save={tmp_path / 'resumed'}", nproc=2)
     assert resumed[0]["iteration"] == 11
     by_iter = {r["iteration"]: r["lm_loss"] for r in full}

@@ -118,3 +118,28 @@ def test_plan_command_prints_every_system(tmp_path):
 ])
 def test_plan_bad_input_is_one_line(args, needle):
     check_one_line_error(run_cli("plan", *(["--size", "tiny"] if "--size" not in args else []), *args), needle)
+
+
+def test_device_updates_take_their_share_of_host_chunks_interleaved():
+    """device_update_fraction picks host chunks of resident-weight layers only, about that share of their
+    elements, alternating with the CPU's in forward order; 'auto' balances the two measured paths."""
+    from angelgpt.zero_cache.placement import device_updated
+
+    groups = [0, 1, 2, 3, 4, 5, 6]
+    numels = [10] * 7
+    tiers = ["device", "device", "host", "host", "host", "host", "nvme"]
+    flags = [False, False, False, False, False, True, False]  # layer 5's weights are offloaded
+    assert device_updated(groups, numels, tiers, flags, 0.0) == [False] * 7
+    assert device_updated(groups, numels, tiers, flags, 1.0) == [False, False, True, True, True, False, False]
+    half = device_updated(groups, numels, tiers, flags, 0.5)
+    assert half == [False, False, True, False, True, False, False]
+    cfg = resolve("h200-16b", overrides=["model.num_layers=19", "optim.optimizer=zero_cache",
+                                         "zero_cache.accumulate_in_store=true", "train.micro_batch_size=2",
+                                         "train.global_batch_size=32"])
+    p = auto_plan(cfg, MACHINES["h200"])
+    assert 0.5 < p.device_update_fraction < 0.7  # 2.55 G params/s on the device path, 1.65 on the CPU beside it
+    off = auto_plan(resolve("h200-16b", overrides=["model.num_layers=19", "optim.optimizer=zero_cache",
+                                                   "zero_cache.accumulate_in_store=true", "train.micro_batch_size=2",
+                                                   "train.global_batch_size=32", "zero_cache.device_update_fraction=0.0"]),
+                    MACHINES["h200"])
+    assert p.step_s["cpu_optimizer"] < 0.6 * off.step_s["cpu_optimizer"]  # the two paths at once
