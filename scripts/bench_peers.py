@@ -198,7 +198,8 @@ def report(args) -> int:
         for r in sorted(profiled, key=lambda r: (r["layers"], r["gb"])):
             p = r["profile"]
             lines.append(f"| {r['layers']} | {r['mb']} / {r['gb']} | {r['commit'][:7]} | {r['step_ms']:.0f} | "
-                         f"{p['d2h_ms']:.0f} ({p.get('d2h_gb', 0):.1f}) | {p['fetch_ms']:.0f} ({p.get('fetch_gb', 0):.1f}) | "
+                         f"{p['d2h_ms']:.0f} ({p.get('d2h_gb', 0):.1f}) | "
+                         f"{p['fetch_ms']:.0f} ({p.get('fetch_gb', 0):.1f}) | "
                          f"{p.get('accumulate_ms', 0):.0f} ({p.get('accumulate_gb', 0):.1f}) | "
                          f"{p['update_thread_ms']:.0f} ({p['cpu_optimizer_ms']:.0f}) | "
                          f"{p.get('device_update_thread_ms', 0):.0f} ({p.get('device_update_gb', 0):.1f}) | "
