@@ -37,9 +37,13 @@ def adamw_check(tmp_path, nproc, *overrides, env_extra=None):
 @pytest.mark.parametrize("nvme", [False, True], ids=["no-nvme", "nvme"])
 def test_update_equals_torch_adamw(tmp_path, dp, rate, nvme):
     overrides = [f"zero_cache.prefetch_cache_sub_group_rate={rate}"]
-    if nvme:  # host memory too small for all states: what is not on the device spills to NVMe
+    fraction = 0.0
+    if nvme:  # host memory too small for all states: what is not on the device spills to NVMe, and half
+        # of the host chunks are updated on the device (NVMe chunks never are)
         host_gib = 0.0018 if rate == 0.0 else 0.0015  # room for gradients, scratch and staging, not every state
-        overrides += [f"zero_cache.nvme_path={tmp_path / 'nvme'}", f"zero_cache.host_max_gib={host_gib}"]
+        fraction = 0.5
+        overrides += [f"zero_cache.nvme_path={tmp_path / 'nvme'}", f"zero_cache.host_max_gib={host_gib}",
+                      f"zero_cache.device_update_fraction={fraction}"]
     ranks = adamw_check(tmp_path, dp, *overrides)
     assert len(ranks) == dp
     for r in ranks:
@@ -57,7 +61,7 @@ def test_update_equals_torch_adamw(tmp_path, dp, rate, nvme):
         # the planner, from the config alone, predicts what this rank's allocator handed out, per tier
         cfg = resolve("tiny", overrides=["optim.optimizer=zero_cache", *overrides])
         host_limit = cfg.zero_cache.host_max_gib * 2 ** 30 if nvme else 1 << 50
-        predicted = rank_tier_bytes(cfg, dp, r["rank"], rate, host_limit, nvme, grad_bytes=4)[2]
+        predicted = rank_tier_bytes(cfg, dp, r["rank"], rate, host_limit, nvme, grad_bytes=4, fraction=fraction)[2]
         for tier in ("device", "host", "nvme"):
             assert r["allocated"].get(tier, 0) == predicted[tier], (tier, r["allocated"], predicted)
         # fp32 master + 2 moments + the owned gradient (fp32 on CPU) per owned parameter, plus scratch
