@@ -3,11 +3,15 @@
 # .whl/ (megatron-core and what else the machine lacks), optionally checks ZeRO-Cache's AdamW
 # equality on CUDA tensors, runs the peer cases of scripts/bench_peers.py under a time guard, and
 # packs every result file and log into OUTDIR/results.tgz.
-#   bash scripts/gpu_bench.sh OUTDIR SECONDS "zero_cache:20:2:2 megatron:7:4:32" [adamw]
+#   ANGELGPT_COMMIT=$(git rev-parse HEAD) bash scripts/gpu_bench.sh OUTDIR SECONDS "zero_cache:20:2:2 megatron:7:4:32" [adamw]
 #   ITERS=4 FORCE=1 bash scripts/gpu_bench.sh /tmp/out 300 "zero_cache:20:2:2"   (FORCE: run cases that have results)
 #   ADAMW_SPECS="0.3:device_update" bash scripts/gpu_bench.sh /tmp/out 300 "zero_cache:19:2:32" adamw
 set -u
 outdir=$1; guard=$2; cases=$3; shift 3
+if [ -z "${ANGELGPT_COMMIT:-}" ]; then  # a copied tree's .git may be stale: the caller names the commit
+  echo "gpu_bench.sh: set ANGELGPT_COMMIT to the commit of the tree being run (git rev-parse HEAD where it was copied from)" >&2
+  exit 2
+fi
 if ls .whl/*.whl > /dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site
