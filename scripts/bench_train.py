@@ -65,7 +65,8 @@ def predicted(size: str, overrides, machine_info: dict) -> dict:
     p = plan_for(cfg, hw)
     return {"system": p.system, "rate": p.rate, "gpu_gib": round(p.gpu_total / GIB, 2),
             "host_gib": round(p.host_total / GIB, 2), "step_time_s": p.step_time_s,
-            "bottleneck": p.bottleneck, "fits": p.fits}
+            "bottleneck": p.bottleneck, "fits": p.fits, "accumulate_in_store": p.accumulate_in_store,
+            "device_update_fraction": p.device_update_fraction}
 
 
 def main() -> int:

@@ -174,11 +174,12 @@ class ZeroCacheConfig:
     next layer); 'auto' turns it on with full activation recompute, which is when it saves GPU memory;
     when several micro batches accumulate in the store (each would fetch the weights again), only if the
     planner finds the weights do not fit on the GPU."""
-    accumulate_in_store: bool = False
+    accumulate_in_store: Union[bool, str] = "auto"
     """Reduce every micro batch's gradients to their owner and add them up in the store's gradient
     buffers (device or pinned host), so the GPU holds only the gradients in flight rather than every
     gradient until the last micro batch; after the first micro batch a host chunk's running sum makes a
-    round trip over PCIe (up to a device slot, add, back down) per micro batch."""
+    round trip over PCIe (up to a device slot, add, back down) per micro batch. 'auto': on a GPU, the
+    planner's choice (the faster of the two that fit); on CPU, off."""
     device_update_fraction: Union[float, str] = "auto"
     """Fraction (0.0 to 1.0) of the host-resident states that the GPU updates instead of the CPU: their
     fp32 states and gradients stream up, fused AdamW runs on the device, the new weights go straight
@@ -221,6 +222,8 @@ class ZeroCacheConfig:
                  f"zero_cache.device_update_fraction must be a number in [0, 1] or 'auto', got "
                  f"{frac!r}" if isinstance(frac, str) else
                  f"zero_cache.device_update_fraction must be in [0, 1] or 'auto', got {frac}")
+        _require(self.accumulate_in_store in (True, False, "auto"),
+                 f"zero_cache.accumulate_in_store must be true, false or 'auto', got '{self.accumulate_in_store}'")
         _require(self.offload_params in (True, False, "auto"),
                  f"zero_cache.offload_params must be true, false or 'auto', got '{self.offload_params}'")
         _require(self.max_contigous_params_size == -1 or self.max_contigous_params_size > 0,

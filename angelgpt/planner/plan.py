@@ -101,7 +101,7 @@ def accumulating(cfg: Config, dp: int) -> bool:
     """Several micro batches per step, added up on the GPU: every gradient lives there until the last
     one (unless zero_cache.accumulate_in_store moves each micro batch's gradients to their owner)."""
     return micro_batches(cfg, dp) > 1 and not (cfg.optim.optimizer == "zero_cache"
-                                                and cfg.zero_cache.accumulate_in_store)
+                                                and cfg.zero_cache.accumulate_in_store is True)
 
 
 def fetch_depth(cfg: Config, layer_numel: int, dtype_bytes: int) -> int:
@@ -137,6 +137,7 @@ class SystemPlan:
     rate: Optional[float] = None
     tflops_per_gpu: float = 0.0
     offload_params: Optional[bool] = None  # zero_cache: are the weights of host-resident layers offloaded
+    accumulate_in_store: Optional[bool] = None  # zero_cache: do micro batches' gradients add up in the store
     device_update_fraction: Optional[float] = None  # zero_cache: of the host-resident states, updated on the GPU
 
     def to_dict(self) -> dict:
@@ -181,6 +182,23 @@ def offload_params_on(cfg: Config) -> bool:
     return op if op != "auto" else cfg.model.recompute == "full"
 
 
+def _accumulation_choices(cfg: Config, dp: int):
+    """With accumulate_in_store 'auto' and several micro batches per step, the two configs to plan:
+    gradients added up on the GPU, and in the store. None when there is no choice to make."""
+    zc = cfg.zero_cache
+    if zc.accumulate_in_store != "auto":
+        return None
+    if micro_batches(cfg, dp) <= 1:
+        return [replace(cfg, zero_cache=replace(zc, accumulate_in_store=False))]
+    return [replace(cfg, zero_cache=replace(zc, accumulate_in_store=v)) for v in (False, True)]
+
+
+def _pick(plans):
+    """Of the plans for each choice, the fastest that fits (the first on a tie), else the last."""
+    fitting = [p for p in plans if p.fits]
+    return min(fitting, key=lambda p: p.step_time_s) if fitting else plans[-1]
+
+
 def _resident_first(cfg: Config, dp: int):
     """With 'auto' offload_params, full recompute and micro batches accumulating in the store, the
     configs to try in order: weights resident first, offloaded only if that does not fit. Offloaded
@@ -189,7 +207,7 @@ def _resident_first(cfg: Config, dp: int):
     285 resident). None when 'auto' needs no refining."""
     zc = cfg.zero_cache
     if zc.offload_params != "auto" or cfg.model.recompute != "full" or not (
-            zc.accumulate_in_store and micro_batches(cfg, dp) > 1):
+            zc.accumulate_in_store is True and micro_batches(cfg, dp) > 1):
         return None
     return [replace(cfg, zero_cache=replace(zc, offload_params=v)) for v in (False, True)]
 
@@ -211,7 +229,7 @@ def rank_tier_bytes(cfg: Config, dp: int, dp_rank: int, rate: float, host_limit:
     and per chunk whether the device updates it (`fraction` of the host chunks)."""
     params = rank_params(cfg, pp_rank)
     n_groups = len({p.sub_group for p in params})
-    in_store = cfg.zero_cache.accumulate_in_store and micro_batches(cfg, dp) > 1
+    in_store = cfg.zero_cache.accumulate_in_store is True and micro_batches(cfg, dp) > 1
 
     def placed(rank, allowed=None):
         chunks = chunk_numels(params, dp, rank)
@@ -237,6 +255,9 @@ def plan_zero_cache(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int
     use_nvme = bool(zc.nvme_path) if nvme is None else nvme
     if rate == "auto":
         return auto_plan(cfg, hw, gpus_per_node, nodes, use_nvme)
+    choices = _accumulation_choices(cfg, dp)
+    if choices:
+        return _pick([plan_zero_cache(c, hw, gpus_per_node, nodes, rate, nvme) for c in choices])
     tries = _resident_first(cfg, dp)
     if tries:
         resident = plan_zero_cache(tries[0], hw, gpus_per_node, nodes, rate, nvme)
@@ -296,7 +317,7 @@ def plan_zero_cache(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int
         network = (dp - 1) / dp * model_numel * (4 + MODEL_BYTES) / (hw.net_gbps * 1e9)
     # per micro batch on PCIe: offloaded weights fetched (again in the recomputing backward) and, when
     # accumulating in the store, each host chunk's running sum up to the GPU and back down
-    in_store = cfg.zero_cache.accumulate_in_store and mb > 1
+    in_store = zc.accumulate_in_store is True and mb > 1
     passes = 2 if cfg.model.recompute == "full" else 1
     fetch_mb = passes * sum(offloaded) * MODEL_BYTES / (hw.pcie_gbs * 1e9)
     transfers = mb * max(0.0, fetch_mb - compute / mb)
@@ -318,13 +339,16 @@ def plan_zero_cache(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int
         "network": max(0.0, network - compute / 2),
     }
     return replace(_finish("zero_cache", cfg, hw, gpus_per_node, world, gpu, host, tb.get("nvme", 0), step,
-                           float(rate)), offload_params=offload_params_on(cfg),
+                           float(rate)), offload_params=offload_params_on(cfg), accumulate_in_store=in_store,
                    device_update_fraction=fraction if any(streamed) else 0.0)
 
 
 def auto_plan(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int = 1, nvme: bool = False) -> SystemPlan:
     """The largest prefetch_cache_sub_group_rate (in steps of 0.01) that fits; states on GPU are updated
     30x faster than on the CPU and cross no PCIe, so more on the GPU is faster while it fits."""
+    choices = _accumulation_choices(cfg, _world(cfg, gpus_per_node, nodes)[1])
+    if choices:
+        return _pick([auto_plan(c, hw, gpus_per_node, nodes, nvme) for c in choices])
     tries = _resident_first(cfg, _world(cfg, gpus_per_node, nodes)[1])
     if tries:
         resident = auto_plan(tries[0], hw, gpus_per_node, nodes, nvme)
@@ -429,14 +453,14 @@ def this_machine(cfg: Config, gpu_total_bytes: int, gpus_per_node: int) -> Machi
 
 def auto_settings(cfg: Config, device, dp_size: int):
     """ZeRO-Cache's 'auto' settings in a worker: (prefetch_cache_sub_group_rate, offload_params,
-    device_update_fraction), the planner's choice for this GPU and the host memory ZeRO-Cache may take
+    device_update_fraction, accumulate_in_store), the planner's choice for this GPU and the host memory ZeRO-Cache may take
     here (what the optimizer's capacity check will allow). On CPU: everything on the device,
     offload_params as configured, no host state updated on the device unless a fraction is set."""
     zc = cfg.zero_cache
     rate = zc.prefetch_cache_sub_group_rate
     if device.type != "cuda":
         frac = 0.0 if zc.device_update_fraction == "auto" else float(zc.device_update_fraction)
-        return (1.0 if rate == "auto" else float(rate)), offload_params_on(cfg), frac
+        return (1.0 if rate == "auto" else float(rate)), offload_params_on(cfg), frac, zc.accumulate_in_store is True
     import os
 
     import torch
@@ -447,4 +471,4 @@ def auto_settings(cfg: Config, device, dp_size: int):
     nvme = bool(cfg.zero_cache.nvme_path)
     p = auto_plan(cfg, hw, local, nodes, nvme) if rate == "auto" else plan_zero_cache(cfg, hw, local, nodes,
                                                                                      float(rate), nvme)
-    return p.rate, p.offload_params, device_update_fraction(cfg, hw, local)
+    return p.rate, p.offload_params, device_update_fraction(cfg, hw, local), bool(p.accumulate_in_store)

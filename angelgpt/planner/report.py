@@ -32,7 +32,8 @@ def render(cfg, hw: Machine, gpus_per_node: int, nodes: int, plans: Dict[str, Sy
              f"{activation_bytes(cfg, False) / GIB:.2f} GiB without (model.recompute={m.recompute})"]
     for name, p in plans.items():
         title = name + (f" (prefetch_cache_sub_group_rate {p.rate:.2f}" + (
-            f", device_update_fraction {p.device_update_fraction:.2f}" if p.device_update_fraction else "") + ")"
+            f", device_update_fraction {p.device_update_fraction:.2f}" if p.device_update_fraction else "") + (
+            ", accumulate_in_store" if p.accumulate_in_store else "") + ")"
             if p.rate is not None else "")
         verdict = "fits" if p.fits else "DOES NOT FIT"
         short = [k for k, v in p.margin.items() if v < 0]

@@ -37,7 +37,7 @@ import math
 import re
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -99,6 +99,13 @@ class Chunk:
 class ZeroCacheOptimizer:
     def __init__(self, model: torch.nn.Module, cfg: Config, device: torch.device):
         zc, o = cfg.zero_cache, cfg.optim
+        from angelgpt.planner import auto_settings
+
+        # 'auto' as the planner resolves it
+        rate, self.offload_params, self.device_update_fraction, accumulate = auto_settings(
+            cfg, device, parallel_state.get_data_parallel_group().size())
+        cfg = replace(cfg, zero_cache=replace(zc, accumulate_in_store=accumulate))
+        zc = cfg.zero_cache
         self.cfg = cfg
         self.device = device
         self.clip_grad = o.clip_grad
@@ -111,11 +118,7 @@ class ZeroCacheOptimizer:
         self.max_reduce_events = zc.max_param_reduce_events
         self.num_microbatches = cfg.train.global_batch_size // (cfg.train.micro_batch_size * self.dp_size)
         self.recompute = cfg.model.recompute == "full"
-        self.accumulate = zc.accumulate_in_store and self.num_microbatches > 1
-        from angelgpt.planner import auto_settings
-
-        # 'auto' as the planner resolves it
-        rate, self.offload_params, self.device_update_fraction = auto_settings(cfg, device, self.dp_size)
+        self.accumulate = accumulate and self.num_microbatches > 1
         self.rate = float(rate)
 
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -879,7 +882,6 @@ class ZeroCacheOptimizer:
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **_):
         """Per owned parameter: fp32 master, exp_avg, exp_avg_sq as ShardedTensors shaped like the
         parameter, so a checkpoint loads into any placement (rate, tiers) and any ownership."""
-        from dataclasses import replace
 
         from megatron.core.dist_checkpointing.optimizer import (
             get_param_id_to_sharded_param_map,

@@ -15,10 +15,15 @@ RESULTS = ROOT / "benchmarks" / "results"
 
 
 def _config(result: dict):
-    """The config a bench result ran: its --size and KEY=VALUE overrides, from the recorded command."""
+    """The config a bench result ran: its --size and KEY=VALUE overrides, from the recorded command, with
+    the in-store accumulation the planner chose for it (off in runs recorded before it could choose)."""
     words = shlex.split(result["command"])
     size = words[words.index("--size") + 1]
-    return resolve(size, overrides=[w for w in words if "=" in w and not w.startswith("-")])
+    overrides = [w for w in words if "=" in w and not w.startswith("-")]
+    if not any(w.startswith("zero_cache.accumulate_in_store=") for w in overrides):
+        chosen = result.get("predicted", {}).get("accumulate_in_store")
+        overrides.append(f"zero_cache.accumulate_in_store={'true' if chosen else 'false'}")
+    return resolve(size, overrides=overrides)
 
 
 def _completed():
@@ -143,3 +148,23 @@ def test_device_updates_take_their_share_of_host_chunks_interleaved():
                                                    "train.global_batch_size=32", "zero_cache.device_update_fraction=0.0"]),
                     MACHINES["h200"])
     assert p.step_s["cpu_optimizer"] < 0.6 * off.step_s["cpu_optimizer"]  # the two paths at once
+
+
+def test_auto_accumulation_adds_up_in_the_store_only_where_that_fits_or_is_faster():
+    """accumulate_in_store 'auto' (the default): 19 layers at global batch 32 fit on one H200 only with
+    each micro batch's gradients added up in the store; 8 layers keep them on the GPU; one micro batch
+    per step has nothing to accumulate."""
+    def chosen(layers, gb):
+        cfg = resolve("h200-16b", overrides=[f"model.num_layers={layers}", "train.micro_batch_size=2",
+                                             f"train.global_batch_size={gb}"])
+        assert cfg.zero_cache.accumulate_in_store == "auto"
+        return plan_for(cfg, MACHINES["h200"])
+
+    big = chosen(19, 32)
+    assert big.fits and big.accumulate_in_store is True
+    off = plan_for(resolve("h200-16b", overrides=["model.num_layers=19", "train.micro_batch_size=2",
+                                                  "train.global_batch_size=32",
+                                                  "zero_cache.accumulate_in_store=false"]), MACHINES["h200"])
+    assert not off.fits
+    assert chosen(8, 32).accumulate_in_store is False
+    assert chosen(20, 2).accumulate_in_store is False
