@@ -239,7 +239,10 @@ def report(args) -> int:
               "(`accumulate-L19-offloaded-weights.json`, 244.9), device updates with two accumulation slots "
               "(`device-update-L19-two-slots.json`, 316.3); and 12 layers with offloaded weights fetched every "
               "micro batch (`zero_cache-L12-fetched-weights.json`, 369.9). What stays exposed at 19 layers is "
-              "the wait for the host update (about 2.0 s of a 16.0 s step).", ""]
+              "the wait for the host update (about 2.0 s of a 16.0 s step).",
+              "- The profile's round-trip time runs from when a round trip is queued on the H2D stream, so it "
+              "includes that stream's wait for the gradients of the layer still in backward; it is not PCIe "
+              "time. The slot wait is the backward thread's wait on the CPU, not idle GPU time.", ""]
     (ROOT / "BENCHMARKS.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     try:
