@@ -218,10 +218,12 @@ class ZeroCacheConfig:
             _require(0.0 <= rate <= 1.0, f"zero_cache.prefetch_cache_sub_group_rate must be in [0, 1] or "
                                          f"'auto', got {rate}")
         frac = self.device_update_fraction
-        _require(frac == "auto" if isinstance(frac, str) else 0.0 <= frac <= 1.0,
-                 f"zero_cache.device_update_fraction must be a number in [0, 1] or 'auto', got "
-                 f"{frac!r}" if isinstance(frac, str) else
-                 f"zero_cache.device_update_fraction must be in [0, 1] or 'auto', got {frac}")
+        if isinstance(frac, str):
+            _require(frac == "auto", f"zero_cache.device_update_fraction must be a number in [0, 1] or "
+                                     f"'auto', got '{frac}'")
+        else:
+            _require(0.0 <= frac <= 1.0, f"zero_cache.device_update_fraction must be in [0, 1] or 'auto', "
+                                         f"got {frac}")
         _require(self.accumulate_in_store in (True, False, "auto"),
                  f"zero_cache.accumulate_in_store must be true, false or 'auto', got '{self.accumulate_in_store}'")
         _require(self.offload_params in (True, False, "auto"),

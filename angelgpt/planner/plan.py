@@ -27,7 +27,7 @@ from typing import Dict, Optional
 from angelgpt.config import Config
 from angelgpt.model.flops import flops_per_iteration
 from angelgpt.planner.layout import chunk_numels, rank_params
-from angelgpt.zero_cache.placement import SLICE, STATES, device_updated, place, prefetch_depth
+from angelgpt.zero_cache.placement import SLICE, STATES, place, prefetch_depth
 
 GIB = 1024 ** 3
 MODEL_BYTES = 2  # bf16 weights and gradients on GPU
@@ -199,6 +199,19 @@ def _pick(plans):
     return min(fitting, key=lambda p: p.step_time_s) if fitting else plans[-1]
 
 
+def _resolve_auto(cfg: Config, dp: int, plan_fn) -> Optional[SystemPlan]:
+    """plan_fn's plan once accumulate_in_store 'auto' and offload_params 'auto' are resolved into
+    concrete configs (None when there is nothing to resolve)."""
+    choices = _accumulation_choices(cfg, dp)
+    if choices:
+        return _pick([plan_fn(c) for c in choices])
+    tries = _resident_first(cfg, dp)
+    if tries:
+        resident = plan_fn(tries[0])
+        return resident if resident.fits else plan_fn(tries[1])
+    return None
+
+
 def _resident_first(cfg: Config, dp: int):
     """With 'auto' offload_params, full recompute and micro batches accumulating in the store, the
     configs to try in order: weights resident first, offloaded only if that does not fit. Offloaded
@@ -240,9 +253,9 @@ def rank_tier_bytes(cfg: Config, dp: int, dp_rank: int, rate: float, host_limit:
     allowed = None
     if dp > 1:  # a layer is offloaded on every rank or on none, as the optimizer agrees over DP
         allowed = [all(fs) for fs in zip(*(placed(r)[3] for r in range(dp)))]
-    groups, numels, tiers, flags, need = placed(dp_rank, allowed)
+    groups, numels, tiers, flags, need, streamed = placed(dp_rank, allowed)
     offloaded = [n for g, n in zip(groups, numels) if flags[g]]
-    return numels, tiers, need, offloaded, device_updated(groups, numels, tiers, flags, fraction)
+    return numels, tiers, need, offloaded, streamed
 
 
 def plan_zero_cache(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int = 1,
@@ -255,13 +268,9 @@ def plan_zero_cache(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int
     use_nvme = bool(zc.nvme_path) if nvme is None else nvme
     if rate == "auto":
         return auto_plan(cfg, hw, gpus_per_node, nodes, use_nvme)
-    choices = _accumulation_choices(cfg, dp)
-    if choices:
-        return _pick([plan_zero_cache(c, hw, gpus_per_node, nodes, rate, nvme) for c in choices])
-    tries = _resident_first(cfg, dp)
-    if tries:
-        resident = plan_zero_cache(tries[0], hw, gpus_per_node, nodes, rate, nvme)
-        return resident if resident.fits else plan_zero_cache(tries[1], hw, gpus_per_node, nodes, rate, nvme)
+    resolved = _resolve_auto(cfg, dp, lambda c: plan_zero_cache(c, hw, gpus_per_node, nodes, rate, nvme))
+    if resolved:
+        return resolved
     params = rank_params(cfg, 0)
     model_numel = sum(p.numel for p in params)
     host_limit = hw.host_mem_gib * GIB / gpus_per_node - HOST_PROCESS
@@ -346,13 +355,10 @@ def plan_zero_cache(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int
 def auto_plan(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int = 1, nvme: bool = False) -> SystemPlan:
     """The largest prefetch_cache_sub_group_rate (in steps of 0.01) that fits; states on GPU are updated
     30x faster than on the CPU and cross no PCIe, so more on the GPU is faster while it fits."""
-    choices = _accumulation_choices(cfg, _world(cfg, gpus_per_node, nodes)[1])
-    if choices:
-        return _pick([auto_plan(c, hw, gpus_per_node, nodes, nvme) for c in choices])
-    tries = _resident_first(cfg, _world(cfg, gpus_per_node, nodes)[1])
-    if tries:
-        resident = auto_plan(tries[0], hw, gpus_per_node, nodes, nvme)
-        return resident if resident.fits else auto_plan(tries[1], hw, gpus_per_node, nodes, nvme)
+    resolved = _resolve_auto(cfg, _world(cfg, gpus_per_node, nodes)[1],
+                             lambda c: auto_plan(c, hw, gpus_per_node, nodes, nvme))
+    if resolved:
+        return resolved
     best = None
     for i in range(100, -1, -1):
         p = plan_zero_cache(cfg, hw, gpus_per_node, nodes, rate=i / 100, nvme=nvme)
@@ -453,8 +459,8 @@ def this_machine(cfg: Config, gpu_total_bytes: int, gpus_per_node: int) -> Machi
 
 def auto_settings(cfg: Config, device, dp_size: int):
     """ZeRO-Cache's 'auto' settings in a worker: (prefetch_cache_sub_group_rate, offload_params,
-    device_update_fraction, accumulate_in_store), the planner's choice for this GPU and the host memory ZeRO-Cache may take
-    here (what the optimizer's capacity check will allow). On CPU: everything on the device,
+    device_update_fraction, accumulate_in_store), the planner's choice for this GPU and the host memory
+    ZeRO-Cache may take here (what the optimizer's capacity check will allow). On CPU: everything on the device,
     offload_params as configured, no host state updated on the device unless a fraction is set."""
     zc = cfg.zero_cache
     rate = zc.prefetch_cache_sub_group_rate

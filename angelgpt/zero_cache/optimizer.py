@@ -48,8 +48,8 @@ from angelgpt.config import Config
 from angelgpt.train.optim import _no_weight_decay, clip_coefficient
 from angelgpt.zero_cache.pipeline import Profile, Streams
 from angelgpt.zero_cache.placement import (ACCUMULATION_SLOTS, DEVICE_UPDATE_SLICE, SLICE, STATES,
-                                           device_updated, largest_off_device_group, partition, place,
-                                           prefetch_depth, slices)
+                                           accumulation_bytes, device_update_bytes, largest_off_device_group,
+                                           partition, place, slices)
 from angelgpt.zero_cache.tiers import (DeviceTier, HostTier, NVMeTier, available_bytes, check_capacity,
                                        check_memlock)
 
@@ -99,7 +99,7 @@ class Chunk:
 class ZeroCacheOptimizer:
     def __init__(self, model: torch.nn.Module, cfg: Config, device: torch.device):
         zc, o = cfg.zero_cache, cfg.optim
-        from angelgpt.planner import auto_settings
+        from angelgpt.planner.plan import auto_settings, fetch_depth
 
         # 'auto' as the planner resolves it
         rate, self.offload_params, self.device_update_fraction, accumulate = auto_settings(
@@ -167,9 +167,7 @@ class ZeroCacheOptimizer:
         self._live: Dict[int, Tuple[torch.Tensor, object]] = {}  # fetched layers: weights, H2D event
         self.peak_live_params = 0  # most fetched parameters on the device at once
         offloaded = [sum(self._n(p) for p in g) for g, f in zip(self.sub_groups, self.partitioned) if f]
-        self.prefetch_depth = prefetch_depth(max(offloaded, default=1), zc.prefetch_bucket_size,
-                                             zc.max_live_parameters, zc.max_contigous_params_size,
-                                             self.params[0].element_size())
+        self.prefetch_depth = fetch_depth(cfg, max(offloaded, default=1), self.params[0].element_size())
         self._allocate()
         self._release_offloaded()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero-cache-update")
@@ -192,13 +190,12 @@ class ZeroCacheOptimizer:
         args = (groups, numels, len(self.sub_groups), self.rate, avail["host"],
                 bool(zc.nvme_path), grad_bytes, self.offload_params, self.accumulate)
         kw = {"device_update_fraction": self.device_update_fraction}
-        tiers, flags, needed = place(*args, **kw)
+        tiers, flags, needed, streamed = place(*args, **kw)
         if self.dp_size > 1:  # a layer is fetched (and all-gathered) on every rank or on none
             t = torch.tensor([float(f) for f in flags], device=self.device)
             dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
-            tiers, flags, needed = place(*args, allowed=[bool(v) for v in t.tolist()], **kw)
-        for c, t, d in zip(self.chunks, tiers, device_updated(groups, numels, tiers, flags,
-                                                               self.device_update_fraction)):
+            tiers, flags, needed, streamed = place(*args, allowed=[bool(v) for v in t.tolist()], **kw)
+        for c, t, d in zip(self.chunks, tiers, streamed):
             c.tier, c.device_update = t, d
         self.partitioned = flags
         if self.device.type == "cuda":  # what training needs beside the states, as the planner counts it
@@ -270,11 +267,16 @@ class ZeroCacheOptimizer:
         running sums make their round trips through (later backward passes), and the two buffers that
         host chunks updated on the device stream through (between the last backward and the next
         forward): [fp32 states and gradient] x 2, then [gradient as it arrives] x 2."""
-        slot = largest_off_device_group([c.group for c in self.chunks], [c.numel for c in self.chunks],
-                                        [c.tier for c in self.chunks]) if self.accumulate else 0
-        n = min(max((c.numel for c in self.chunks if c.device_update), default=0), DEVICE_UPDATE_SLICE)
+        groups, numels, tiers = ([c.group for c in self.chunks], [c.numel for c in self.chunks],
+                                 [c.tier for c in self.chunks])
+        streamed = [c.device_update for c in self.chunks]
         size = self.model_dtype.itemsize
-        nbytes = max(ACCUMULATION_SLOTS * slot * size, 2 * ((STATES + 1) * 4 + size) * n)
+        slot = largest_off_device_group(groups, numels, tiers) if self.accumulate else 0
+        n = min(max((c.numel for c in self.chunks if c.device_update), default=0), DEVICE_UPDATE_SLICE)
+        # the sizes placement counts: the slots, or the update buffers, whichever is larger
+        slots_bytes = accumulation_bytes(groups, numels, tiers, self.partitioned, size)["device"] \
+            if self.accumulate else 0
+        nbytes = max(slots_bytes, device_update_bytes(numels, streamed, size))
         pool = self.tiers["device"].allocate(nbytes, torch.uint8) if nbytes else None
         self._acc_slots = [pool[i * slot * size:(i + 1) * slot * size].view(self.model_dtype)
                            for i in range(ACCUMULATION_SLOTS)] if slot else []

@@ -151,7 +151,8 @@ def device_update_bytes(numels: List[int], streamed: List[bool], grad_bytes: int
 def place(groups: List[int], numels: List[int], n_groups: int, rate: float, host_limit: float, nvme_enabled: bool,
           grad_bytes: int, offload_params: bool, accumulate_in_store: bool = False, allowed=None,
           device_update_fraction: float = 0.0):
-    """Tiers per chunk, offloaded-weights flag per sub-group and bytes per tier. With NVMe, what the
+    """Tiers per chunk, offloaded-weights flag per sub-group, bytes per tier, and per chunk whether the
+    device updates it (`device_updated`). With NVMe, what the
     host cannot hold goes there: the host budget for states shrinks until everything on the host
     (states, gradients, scratch, staging) fits, or nothing more can move. An offloaded layer's weights
     live in its pinned gradient buffer: the last backward reads them before its gradients land there,
@@ -169,9 +170,9 @@ def place(groups: List[int], numels: List[int], n_groups: int, rate: float, host
         need["host"] += slots["host"]
         # the accumulation slots and the device update buffers share one device buffer: the update runs
         # between the last backward and the next forward, the round trips during later backward passes
-        need["device"] += max(slots["device"], device_update_bytes(
-            numels, device_updated(groups, numels, tiers, flags, device_update_fraction), grad_bytes))
+        streamed = device_updated(groups, numels, tiers, flags, device_update_fraction)
+        need["device"] += max(slots["device"], device_update_bytes(numels, streamed, grad_bytes))
         over = need["host"] - host_limit
         if not nvme_enabled or over <= 0 or room <= 0:
-            return tiers, flags, need
+            return tiers, flags, need, streamed
         room -= over
