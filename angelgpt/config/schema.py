@@ -25,6 +25,14 @@ def _require(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
+def _fraction_or_auto(key: str, value) -> None:
+    """A number in [0, 1], or the string 'auto'."""
+    if isinstance(value, str):
+        _require(value == "auto", f"{key} must be a number in [0, 1] or 'auto', got '{value}'")
+    else:
+        _require(0.0 <= value <= 1.0, f"{key} must be in [0, 1] or 'auto', got {value}")
+
+
 def _positive(section: str, **values) -> None:
     for key, value in values.items():
         _require(value > 0, f"{section}.{key} must be > 0, got {value}")
@@ -210,20 +218,8 @@ class ZeroCacheConfig:
     """Most GiB the NVMe tier may use; None means what the disk has free."""
 
     def __post_init__(self):
-        rate = self.prefetch_cache_sub_group_rate
-        if isinstance(rate, str):
-            _require(rate == "auto", f"zero_cache.prefetch_cache_sub_group_rate must be a number in "
-                                     f"[0, 1] or 'auto', got '{rate}'")
-        else:
-            _require(0.0 <= rate <= 1.0, f"zero_cache.prefetch_cache_sub_group_rate must be in [0, 1] or "
-                                         f"'auto', got {rate}")
-        frac = self.device_update_fraction
-        if isinstance(frac, str):
-            _require(frac == "auto", f"zero_cache.device_update_fraction must be a number in [0, 1] or "
-                                     f"'auto', got '{frac}'")
-        else:
-            _require(0.0 <= frac <= 1.0, f"zero_cache.device_update_fraction must be in [0, 1] or 'auto', "
-                                         f"got {frac}")
+        _fraction_or_auto("zero_cache.prefetch_cache_sub_group_rate", self.prefetch_cache_sub_group_rate)
+        _fraction_or_auto("zero_cache.device_update_fraction", self.device_update_fraction)
         _require(self.accumulate_in_store in (True, False, "auto"),
                  f"zero_cache.accumulate_in_store must be true, false or 'auto', got '{self.accumulate_in_store}'")
         _require(self.offload_params in (True, False, "auto"),
