@@ -17,6 +17,7 @@ the overrides comma-separated KEY=VALUE pairs for that case alone (for example
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -30,7 +31,7 @@ NVME_DIR = os.environ.get("ANGELGPT_BENCH_NVME", "/tmp/angelgpt-nvme")
 SYSTEMS = {
     "megatron": ["optim.optimizer=megatron"],
     "megatron_cpu_offload": ["optim.optimizer=megatron_cpu_offload", "optim.offload_fraction=1.0"],
-    "deepspeed_zero3_offload": None,  # needs the `bench` extra (DeepSpeed); refused below when absent
+    "deepspeed_zero3_offload": [],  # scripts/bench_deepspeed.py, with the `bench` extra (DeepSpeed)
     "zero_cache": ["optim.optimizer=zero_cache", "zero_cache.prefetch_cache_sub_group_rate=auto"],
     "zero_cache_nvme": ["optim.optimizer=zero_cache", "zero_cache.prefetch_cache_sub_group_rate=auto",
                         f"zero_cache.nvme_path={NVME_DIR}"],
@@ -61,18 +62,15 @@ def run(args) -> int:
         if (RESULTS / f"{name}.json").exists() and not args.force:
             print(f"{name}: result exists, skipped", flush=True)
             continue
-        overrides = SYSTEMS[system]
-        if overrides is None:
-            try:
-                import deepspeed  # noqa: F401
-            except ImportError:
-                print(f"{name}: DeepSpeed is not installed here (pip install angelgpt[bench]); not run", flush=True)
-                continue
-            raise SystemExit("bench_peers: the DeepSpeed runner is not part of this version")
-        cmd = [sys.executable, str(ROOT / "scripts" / "bench_train.py"), "--name", name, "--size", "h200-16b",
+        runner = "deepspeed" if system == "deepspeed_zero3_offload" else "angelgpt"
+        if runner == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+            print(f"{name}: DeepSpeed is not installed here (pip install angelgpt[bench]); not run", flush=True)
+            continue
+        cmd = [sys.executable, str(ROOT / "scripts" / "bench_train.py"), "--runner", runner, "--name", name,
+               "--size", "h200-16b",
                "--iters", str(args.iters), "--warmup", str(args.warmup), "--out", str(RESULTS), "--",
                f"model.num_layers={layers}", f"train.micro_batch_size={mb}", f"train.global_batch_size={gb}",
-               "optim.lr_warmup_iters=1", *overrides, *case_extra, *args.extra]
+               "optim.lr_warmup_iters=1", *SYSTEMS[system], *case_extra, *args.extra]
         print("case:", " ".join(cmd[2:]), flush=True)
         failed += subprocess.call(cmd, cwd=ROOT) != 0
     return 0 if not failed else 1

@@ -2,6 +2,7 @@
 
     python scripts/bench_train.py --name h200-5b-megatron --size h200-5b --iters 12 --warmup 4 \
         --goal-tflops 540 -- optim.optimizer=megatron
+    python scripts/bench_train.py --runner deepspeed --name ds-L7 --size h200-16b -- model.num_layers=7
 
 The result JSON (under --out, default benchmarks/results/) holds the exact command, the commit, the
 machine, per-iteration records, and medians after warm-up of TFLOP/s/GPU and tokens/s, and peak memory.
@@ -77,6 +78,8 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--goal-tflops", type=float, default=None)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--runner", choices=("angelgpt", "deepspeed"), default="angelgpt",
+                    help="deepspeed: the same config trained by DeepSpeed ZeRO-3 offload (scripts/bench_deepspeed.py)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     if args.iters <= args.warmup:
@@ -84,10 +87,10 @@ def main() -> int:
         return 2
 
     metrics = Path(tempfile.mkdtemp()) / "metrics.jsonl"
-    cmd = [sys.executable, "-m", "angelgpt", "train", "--size", args.size, "--metrics-file", str(metrics),
+    program = ["-m", "angelgpt", "train"] if args.runner == "angelgpt" else ["scripts/bench_deepspeed.py"]
+    cmd = [sys.executable, *program, "--size", args.size, "--metrics-file", str(metrics),
            f"train.train_iters={args.iters}", "logging.log_interval=1", *args.overrides]
-    printable = "python -m angelgpt " + " ".join(shlex.quote(c) for c in cmd[3:] if c != str(metrics)
-                                                  and c != "--metrics-file")
+    printable = "python " + " ".join(shlex.quote(c) for c in cmd[1:] if c != str(metrics) and c != "--metrics-file")
     print("running:", printable, flush=True)
     start = time.time()
     proc = subprocess.run(cmd, cwd=ROOT, text=True, capture_output=True)
@@ -118,13 +121,15 @@ def main() -> int:
         if args.goal_tflops:
             result["goal_tflops_per_gpu"] = args.goal_tflops
             result["goal_met"] = result["tflops_per_gpu_median"] >= args.goal_tflops
-    result["predicted"] = predicted(args.size, args.overrides, result["machine"])
+    if args.runner == "angelgpt":
+        result["predicted"] = predicted(args.size, args.overrides, result["machine"])
     if steady:
         result["oom"] = False
     else:
         tail = proc.stdout[-20000:] + proc.stderr[-20000:]
         gpu_oom = "out of memory" in tail.lower() or "do not fit" in tail
-        host_oom = "Signal 9 (SIGKILL)" in tail or "killed by SIGKILL" in tail  # the kernel's OOM killer
+        # the kernel's OOM killer: torchrun reports it, a process run directly dies of signal 9
+        host_oom = "Signal 9 (SIGKILL)" in tail or "killed by SIGKILL" in tail or proc.returncode == -9
         result["oom"] = gpu_oom or host_oom
         result["oom_kind"] = "gpu" if gpu_oom else "host" if host_oom else None
         result["log_tail"] = tail[-4000:]
