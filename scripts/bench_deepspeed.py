@@ -6,7 +6,8 @@ and optimizer states offloaded to pinned CPU memory (DeepSpeed's CPU Adam), one 
         model.num_layers=7 train.micro_batch_size=4 train.global_batch_size=32
 
 It takes `angelgpt train`'s config (preset, then KEY=VALUE overrides; optimizer and ZeRO-Cache keys are
-ignored) so that the model shape, batch, AdamW hyper-parameters, clipping and FLOP count are the ones the
+ignored; `deepspeed.A.B=VALUE` sets a key of the DeepSpeed config, for example
+`deepspeed.zero_optimization.offload_param.pin_memory=false`) so that the model shape, batch, AdamW hyper-parameters, clipping and FLOP count are the ones the
 other systems run, and it writes the same metrics records (JSON lines) and log lines. The model is a
 plain PyTorch GPT of Megatron's GPTModel shapes (learned positions, LayerNorm, biased linears, GELU MLP,
 tied output layer, SDPA causal attention, full activation recompute per layer), since Megatron's
@@ -16,6 +17,7 @@ modules keep weights that ZeRO-3's hooks cannot gather. bench_train.py runs it w
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -99,7 +101,6 @@ def ds_config(cfg: Config, world: int, on_gpu: bool) -> dict:
     """ZeRO-3 with parameters and optimizer states offloaded to (pinned) CPU memory; DeepSpeed's defaults
     for the buckets and prefetch, bf16, AdamW and clipping from angelgpt's config."""
     o, t = cfg.optim, cfg.train
-    offload = {"device": "cpu", "pin_memory": on_gpu}
     return {
         "train_batch_size": t.global_batch_size,
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
@@ -108,10 +109,30 @@ def ds_config(cfg: Config, world: int, on_gpu: bool) -> dict:
         "bf16": {"enabled": on_gpu},
         "optimizer": {"type": "AdamW", "params": {"lr": o.lr, "betas": [o.adam_beta1, o.adam_beta2],
                                                   "eps": o.adam_eps, "weight_decay": o.weight_decay}},
-        "zero_optimization": {"stage": 3, "offload_param": offload, "offload_optimizer": offload,
+        "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": on_gpu},
+                              "offload_optimizer": {"device": "cpu", "pin_memory": on_gpu},
                               "overlap_comm": on_gpu, "contiguous_gradients": True},
         "steps_per_print": 10 ** 9,
     }
+
+
+def set_ds_keys(config: dict, overrides) -> None:
+    """Applies `deepspeed.A.B=VALUE` overrides (VALUE read as JSON where it parses, else as a string)."""
+    for item in overrides:
+        path, _, text = item[len("deepspeed."):].partition("=")
+        *parents, last = path.split(".")
+        node = config
+        for key in parents:
+            node = node.setdefault(key, {})
+        try:
+            node[last] = json.loads(text)
+        except json.JSONDecodeError:
+            node[last] = text
+
+
+def progress(rank: int, what: str) -> None:
+    if rank == 0:
+        print(f"bench_deepspeed: {what} (host peak {host_memory_gib():.1f} GiB)", flush=True)
 
 
 def main() -> int:
@@ -120,8 +141,12 @@ def main() -> int:
     ap.add_argument("--metrics-file", default=None)
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
+    ds_keys = [o for o in args.overrides if o.startswith("deepspeed.")]
+    if any("=" not in o for o in ds_keys):
+        print("bench_deepspeed: a DeepSpeed override is deepspeed.KEY.PATH=VALUE", file=sys.stderr)
+        return 2
     try:
-        cfg = resolve(args.size, None, args.overrides)
+        cfg = resolve(args.size, None, [o for o in args.overrides if o not in ds_keys])
     except ConfigError as exc:
         print(f"bench_deepspeed: {exc}", file=sys.stderr)
         return 2
@@ -136,11 +161,15 @@ def main() -> int:
     deepspeed.init_distributed()
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     config = ds_config(cfg, world, on_gpu)
+    set_ds_keys(config, ds_keys)
+    progress(rank, f"ZeRO-3 config {json.dumps(config['zero_optimization'])}; building the model")
     torch.manual_seed(cfg.train.seed)
     dtype = torch.bfloat16 if on_gpu else torch.float32
     with deepspeed.zero.Init(config_dict_or_path=config, remote_device="cpu", pin_memory=on_gpu, dtype=dtype):
         model = GPT(cfg)
+    progress(rank, "model built and partitioned; creating the engine and its CPU Adam")
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    progress(rank, "engine ready; training")
     device = engine.device
     m, t = cfg.model, cfg.train
     writer = MetricsWriter(rank == 0, args.metrics_file, None)

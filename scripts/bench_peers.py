@@ -107,6 +107,8 @@ def settings(command: str) -> str:
         key, _, value = word.partition("=")
         if key in NOTABLE:
             found[key.split(".")[-1]] = value
+        elif key.startswith("deepspeed."):  # scripts/bench_deepspeed.py's own keys
+            found[key.removeprefix("deepspeed.").removeprefix("zero_optimization.")] = value
     return ", ".join(f"{k}={v}" for k, v in found.items()) or "-"
 
 
