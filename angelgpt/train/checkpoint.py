@@ -26,11 +26,13 @@ from angelgpt.config import ConfigError
 TRACKER = "latest_checkpointed_iteration.txt"
 
 
-def _save_strategy():
-    """Megatron's torch_dist saver runs its writes through an async path that calls CUDA; on a
-    CPU-only torch the same format is written synchronously with PyTorch DCP and Megatron's planner,
-    and Megatron's loader reads it back unchanged."""
-    if torch.cuda.is_available():
+def _save_strategy(multi_slice: bool):
+    """Megatron's torch_dist format, written tensor by tensor with PyTorch DCP's file writer and
+    Megatron's planner: GPU tensors go to host memory a slice at a time and host tensors are written
+    from where they are, so a save never holds a second copy of the model in host memory. Megatron's
+    own torch_dist saver (multi_slice false, GPU only: its writer calls CUDA) first copies every tensor
+    of the rank into host memory, and clones host tensors that are views. Megatron's loader reads both."""
+    if torch.cuda.is_available() and not multi_slice:
         return None
     from megatron.core.dist_checkpointing.strategies.torch import (
         MCoreSavePlanner,
@@ -41,14 +43,14 @@ def _save_strategy():
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint import save as dcp_save
 
-    class CPUSaveStrategy(TorchDistSaveShardedStrategy):
+    class StreamingSaveStrategy(TorchDistSaveShardedStrategy):
         def save(self, sharded_state_dict, checkpoint_dir):
             state, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
             dcp_save(mcore_to_pyt_state_dict(state, False), storage_writer=FileSystemWriter(str(checkpoint_dir)),
                      planner=MCoreSavePlanner(dedup_replicated_tensors=not self.keep_only_main_replica,
                                               flatten_state_dict=False))
 
-    return CPUSaveStrategy("torch_dist", 1)
+    return StreamingSaveStrategy("torch_dist", 1)
 
 
 def _iter_dir(root: Path, iteration: int) -> Path:
@@ -163,9 +165,10 @@ def save(root: str, iteration: int, consumed: int, model, optimizer, scheduler, 
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
+    multi_slice = config.get("zero_cache", {}).get("save_large_model_multi_slice", True)
     with _materialized(optimizer):
         dist_checkpointing.save(_state(model, optimizer, scheduler, iteration, consumed, loading=False), str(tmp),
-                                sharded_strategy=_save_strategy())
+                                sharded_strategy=_save_strategy(multi_slice))
     dist.barrier()
     if dist.get_rank() == 0:
         _write_manifest(tmp, iteration, config)

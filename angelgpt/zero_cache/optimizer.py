@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from angelgpt.config import Config
+from angelgpt.config import Config, ConfigError
 from angelgpt.train.optim import _no_weight_decay, clip_coefficient
 from angelgpt.zero_cache.pipeline import Profile, Streams
 from angelgpt.zero_cache.placement import (ACCUMULATION_SLOTS, DEVICE_UPDATE_SLICE, SLICE, STATES,
@@ -54,6 +54,26 @@ from angelgpt.zero_cache.tiers import (DeviceTier, HostTier, NVMeTier, available
                                        check_memlock)
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def refuse_together(check) -> None:
+    """Runs a rank's refusal check on every rank: when any refuses, all raise the first refusing rank's
+    message (prefixed with its rank), so rank 0 reports it and no rank waits in a collective for one
+    that left. Placements differ per rank (an uneven DP partition), so one rank alone may not fit."""
+    try:
+        check()
+        problem = None
+    except ConfigError as exc:
+        problem = str(exc)
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        if problem:
+            raise ConfigError(problem)
+        return
+    problems = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, problem)
+    for rank, text in enumerate(problems):
+        if text:
+            raise ConfigError(text if rank == 0 else f"rank {rank}: {text}")
 
 
 def sub_group_index(name: str, num_layers: int) -> int:
@@ -208,13 +228,17 @@ class ZeroCacheOptimizer:
         avail["device"] += grad_bytes * sum(self._n(p) for gi, f in enumerate(flags) if f for p in self.sub_groups[gi])
         if not zc.nvme_path:
             needed.pop("nvme")
-        check_capacity(needed, avail)
-        if self.device.type == "cuda":  # what crosses PCIe is pinned: host gradients, offloaded weights,
-            # the states the device updates
-            off = sum(c.numel for c, t in zip(self.chunks, tiers) if t != "device")
-            own_weights = sum(c.numel for c in self.chunks if flags[c.group]) if self.accumulate else 0
-            streamed = sum(c.numel for c in self.chunks if c.device_update)
-            check_memlock(grad_bytes * (off + own_weights) + STATES * 4 * streamed)
+
+        def check():
+            check_capacity(needed, avail)
+            if self.device.type == "cuda":  # what crosses PCIe is pinned: host gradients, offloaded weights,
+                # the states the device updates
+                off = sum(c.numel for c, t in zip(self.chunks, tiers) if t != "device")
+                own_weights = sum(c.numel for c in self.chunks if flags[c.group]) if self.accumulate else 0
+                streamed = sum(c.numel for c in self.chunks if c.device_update)
+                check_memlock(grad_bytes * (off + own_weights) + STATES * 4 * streamed)
+
+        refuse_together(check)
         self.planned_bytes = needed
 
     def _allocate(self) -> None:
@@ -222,6 +246,7 @@ class ZeroCacheOptimizer:
         self.tiers = {"device": DeviceTier(self.device), "host": HostTier(pin=on_cuda)}
         zc = self.cfg.zero_cache
         self.nvme = NVMeTier(zc.nvme_path) if zc.nvme_path else None
+        self._loading = {}  # id(chunk) -> the states a checkpoint load writes into in place
         if self.nvme:
             self.tiers["nvme"] = self.nvme
         sizes = {t: [c.numel for c in self.chunks if (c.tier == "device") == (t == "device")] for t in ("device", "host")}
@@ -876,14 +901,19 @@ class ZeroCacheOptimizer:
         return self.profile.last
 
     # -- checkpoints -----------------------------------------------------------------------------
-    def _chunk_states(self, c: Chunk) -> torch.Tensor:
+    def _chunk_states(self, c: Chunk, writable: bool = False) -> torch.Tensor:
+        """A chunk's [STATES, numel] states where they live: an NVMe chunk's file mapped into memory, so
+        a checkpoint reads (or, writable, loads into) it page by page without a host copy of it."""
         if c.tier != "nvme":
             return c.states
-        return NVMeTier.read(c.file, torch.empty(STATES * c.numel, dtype=torch.float32)).view(STATES, c.numel)
+        return torch.from_file(str(c.file), shared=writable, size=STATES * c.numel,
+                               dtype=torch.float32).view(STATES, c.numel)
 
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **_):
         """Per owned parameter: fp32 master, exp_avg, exp_avg_sq as ShardedTensors shaped like the
-        parameter, so a checkpoint loads into any placement (rate, tiers) and any ownership."""
+        parameter, so a checkpoint loads into any placement (rate, tiers) and any ownership. The tensors
+        are views of the states in their tiers (saved from there, and loaded into them in place): no
+        tier is copied whole into host memory."""
 
         from megatron.core.dist_checkpointing.optimizer import (
             get_param_id_to_sharded_param_map,
@@ -891,6 +921,7 @@ class ZeroCacheOptimizer:
         )
 
         self.wait_all()
+        self._loading = {}
         owned = [p for c in self.chunks for p in c.params]
         id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, iter(owned))
         index = {id(p): i for i, p in enumerate(owned)}
@@ -899,7 +930,9 @@ class ZeroCacheOptimizer:
                            for i, p in enumerate(owned)}
         state = {}
         for c in self.chunks:
-            flat = torch.empty(STATES, c.numel) if is_loading else self._chunk_states(c)
+            flat = self._chunk_states(c, writable=is_loading)
+            if is_loading:
+                self._loading[id(c)] = flat
             for i, p in enumerate(c.params):
                 model_ten = id_map[index[id(p)]]
                 replica = model_ten.replica_id
@@ -917,17 +950,18 @@ class ZeroCacheOptimizer:
         self.wait_all()
         tensors = state_dict["state"]
         step = float(state_dict["common_step"])
+        loading, self._loading = self._loading, {}
         for c in self.chunks:
-            flat = torch.empty(STATES, c.numel)
+            flat = loading.get(id(c))
+            if flat is None:
+                flat = self._chunk_states(c, writable=True)
             for p, off in zip(c.params, c.offsets):
                 key = self._model_key[id(p)]
                 for k, name in enumerate(("master", "exp_avg", "exp_avg_sq")):
-                    flat[k][off:off + self._n(p)].copy_(tensors[f"{name}.{key}"].reshape(-1))
+                    dst, src = flat[k][off:off + self._n(p)], tensors[f"{name}.{key}"].reshape(-1)
+                    if src.data_ptr() != dst.data_ptr():  # loaded elsewhere than in place
+                        dst.copy_(src)
             c.step.fill_(step)
-            if c.tier == "nvme":
-                NVMeTier.write(c.file, flat.reshape(-1))
-            else:
-                c.states.copy_(flat)
             if c.weights is not None:
                 c.weights.copy_(flat[0])
             for p, view in c.views(flat[0]):

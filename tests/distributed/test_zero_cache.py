@@ -66,6 +66,10 @@ def test_update_equals_torch_adamw(tmp_path, dp, rate, nvme):
             assert r["allocated"].get(tier, 0) == predicted[tier], (tier, r["allocated"], predicted)
         # fp32 master + 2 moments + the owned gradient (fp32 on CPU) per owned parameter, plus scratch
         assert sum(r["allocated"].values()) >= 16 * r["owned_numel"]
+        # a checkpoint saves every state from its tier and loads into it in place: no tier copied whole
+        views = r["checkpoint_views"]
+        assert views["copy"] == 0 and views["chunk"] + views["nvme_file"] > 0, views
+        assert (views["nvme_file"] > 0) == ("nvme" in r["tiers"]), views
     assert sum(r["owned_numel"] for r in ranks) == ranks[0]["total_numel"]  # each state owned once over DP
 
 
@@ -234,6 +238,42 @@ def test_checkpoint_rate_0_resumes_with_rate_05(tmp_path):
     assert any(k.startswith("optimizer.zero_cache.exp_avg_sq") for k in tensors)
     for k in tensors:
         assert torch.allclose(a[k], b[k], rtol=1e-6, atol=1e-8), k
+
+
+def test_checkpoint_saved_from_nvme_resumes_into_nvme(tmp_path):
+    """States saved from their NVMe files (mapped, not read whole) and loaded into the files of another
+    placement, in place, continue the run as if it had not stopped."""
+    zc = ["optim.optimizer=zero_cache", "train.train_iters=14"]
+    full = train_tiny(tmp_path, "full", *zc, f"checkpoint.save={tmp_path / 'full'}", nproc=2)
+    ck = tmp_path / "ck"
+    nvme = [f"zero_cache.nvme_path={tmp_path / 'nvme'}", "zero_cache.prefetch_cache_sub_group_rate=0.0",
+            "zero_cache.host_max_gib=0.0015"]
+    train_tiny(tmp_path, "first", *zc, *nvme, "train.exit_interval=10", f"checkpoint.save={ck}", nproc=2)
+    resumed, out = train_tiny(tmp_path, "resumed", *zc, f"zero_cache.nvme_path={tmp_path / 'nvme2'}",
+                              "zero_cache.prefetch_cache_sub_group_rate=0.5", "zero_cache.host_max_gib=0.0012",
+                              f"checkpoint.load={ck}", f"checkpoint.save={tmp_path / 'resumed'}", nproc=2,
+                              with_output=True)
+    assert re.search(r"nvme [1-9]", out), out  # the resumed run holds states on NVMe too
+    assert resumed[0]["iteration"] == 11
+    by_iter = {r["iteration"]: r["lm_loss"] for r in full}
+    for r in resumed:
+        assert math.isclose(r["lm_loss"], by_iter[r["iteration"]], rel_tol=1e-6), r["iteration"]
+    a = _flat_checkpoint(tmp_path / "full" / "iter_0000014")
+    b = _flat_checkpoint(tmp_path / "resumed" / "iter_0000014")
+    import torch
+
+    for k, v in a.items():
+        if isinstance(v, torch.Tensor):
+            assert torch.allclose(v, b[k], rtol=1e-6, atol=1e-8), k
+
+
+def test_a_placement_only_one_rank_cannot_hold_is_refused_by_all(tmp_path):
+    """DP partitions are uneven, so one rank may not fit where the other does: every rank stops and the
+    user gets that rank's numbers in one line, not a collective's traceback."""
+    proc = run_cli("train", "--size", "tiny", "--device", "cpu", "--nproc-per-node", 2, "optim.optimizer=zero_cache",
+                   "zero_cache.prefetch_cache_sub_group_rate=0.5", f"zero_cache.nvme_path={tmp_path / 'nvme'}",
+                   "zero_cache.host_max_gib=0.0008")
+    check_one_line_error(proc, "rank 1: zero_cache: model states do not fit", in_worker=True)
 
 
 def test_placement_that_cannot_hold_the_model_is_refused():

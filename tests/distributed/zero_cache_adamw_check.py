@@ -19,6 +19,36 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 
+def mapped_file(address: int):
+    """The file mapped at this address of the process (None for anonymous memory)."""
+    with open("/proc/self/maps") as fh:
+        for line in fh:
+            fields = line.split()
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if lo <= address < hi:
+                return fields[5] if len(fields) > 5 else None
+    return None
+
+
+def checkpoint_views(model, opt) -> dict:
+    """Where the tensors of the optimizer's checkpoint state live, for save and for load: inside a chunk's
+    own states (host or device tier), in its NVMe file mapped into memory, or elsewhere (a copy)."""
+    counts = {"chunk": 0, "nvme_file": 0, "copy": 0}
+    for loading in (False, True):
+        state = opt.sharded_state_dict(model.sharded_state_dict(), is_loading=loading)["state"]
+        for ten in state.values():
+            ptr = ten.data.data_ptr()
+            if any(c.tier != "nvme" and c.states.data_ptr() <= ptr < c.states.data_ptr() + c.states.nbytes
+                   for c in opt.chunks):
+                counts["chunk"] += 1
+            elif mapped_file(ptr) in {str(c.file) for c in opt.chunks if c.tier == "nvme"}:
+                counts["nvme_file"] += 1
+            else:
+                counts["copy"] += 1
+    opt._loading = {}
+    return counts
+
+
 def main():
     out, overrides = sys.argv[1], sys.argv[2:]
     from megatron.core import parallel_state
@@ -89,12 +119,13 @@ def main():
     tiers = sorted({c.tier for c in opt.chunks})
     allocated = opt.allocated_bytes()
     nvme_dir = str(opt.nvme.dir) if opt.nvme else None
+    in_place = checkpoint_views(model, opt)
     opt.close()
     result = {"rank": rank, "first_update_max_rel_err": first_err, "three_updates_rel_err": err, "tiers": tiers, "allocated": allocated, "planned": opt.planned_bytes,
               "nvme_files": nvme_files, "nvme_dir": nvme_dir, "owned_numel": sum(c.numel for c in opt.chunks),
               "total_numel": sum(ref_p.numel() for ref_p in ref.parameters()), "offloaded_layers": offloaded,
               "released_after_use": released, "prefetch_depth": opt.prefetch_depth,
-              "eval_peak_live_params": eval_peak,
+              "eval_peak_live_params": eval_peak, "checkpoint_views": in_place,
               "device_updated": sum(c.numel for c in opt.chunks if c.device_update),
               "host_numel": sum(c.numel for c in opt.chunks if c.tier == "host"),
               "layer_params": [opt.layouts[gi][1] * opt.dp_size for gi in offloaded]}

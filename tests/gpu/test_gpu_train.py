@@ -17,3 +17,30 @@ def test_tiny_trains_on_gpu(tmp_path):
     records = read_metrics(metrics)
     assert records[-1]["lm_loss"] < 0.7 * records[0]["lm_loss"]
     assert records[-1]["mem_gpu_gib"] > 0
+
+
+@pytest.mark.parametrize("multi_slice", [True, False], ids=["streamed-save", "megatron-save"])
+def test_zero_cache_checkpoint_resumes_on_gpu(tmp_path, multi_slice):
+    """Saved with states on the GPU, in pinned host memory and in NVMe files (streamed tensor by tensor,
+    or staged by Megatron's saver), resumed with every state on the GPU: the run continues as if it had
+    not stopped (bf16 tolerance)."""
+    from tests.conftest import read_metrics, run_cli
+
+    def train(name, *overrides):
+        metrics = tmp_path / f"{name}.jsonl"
+        proc = run_cli("train", "--size", "tiny", "--device", "cuda", "--metrics-file", metrics,
+                       "logging.log_interval=1", "optim.optimizer=zero_cache", "train.train_iters=14", *overrides)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return read_metrics(metrics)
+
+    spread = ["zero_cache.prefetch_cache_sub_group_rate=0.3", f"zero_cache.nvme_path={tmp_path / 'nvme'}",
+              "zero_cache.host_max_gib=0.001"]
+    full = train("full", *spread)
+    ck = tmp_path / "ck"
+    train("first", *spread, "train.exit_interval=10", f"checkpoint.save={ck}",
+          f"zero_cache.save_large_model_multi_slice={str(multi_slice).lower()}")
+    resumed = train("resumed", "zero_cache.prefetch_cache_sub_group_rate=1.0", f"checkpoint.load={ck}")
+    assert resumed[0]["iteration"] == 11
+    by_iter = {r["iteration"]: r["lm_loss"] for r in full}
+    for r in resumed:
+        assert abs(r["lm_loss"] - by_iter[r["iteration"]]) <= 1e-2 * abs(by_iter[r["iteration"]]), r
