@@ -12,6 +12,7 @@ import os
 import random
 import shutil
 import zlib
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional, Tuple
 
@@ -19,7 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
-from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
 from angelgpt.config import ConfigError
 
@@ -85,11 +86,32 @@ def _rng_sharded_object(state) -> ShardedObject:
     return ShardedObject("rng_state", state, shape, (pp, tp), replica_id=parallel_state.get_data_parallel_rank())
 
 
+def per_layer_keys(sharded):
+    """The same sharded state with one key per layer: Megatron stacks a parameter of every layer of a
+    pipeline stage under one key (the layer axis prepended), and a key's local shards must share device
+    and pinning. ZeRO-Cache keeps layers in different tiers (GPU, pinned host, NVMe files), so each
+    layer's tensor gets its own key, `<key>.layer<global layer index>`, independent of the placement."""
+    if isinstance(sharded, dict):
+        return {k: per_layer_keys(v) for k, v in sharded.items()}
+    if isinstance(sharded, list):
+        return [per_layer_keys(v) for v in sharded]
+    if isinstance(sharded, ShardedTensor) and sharded.prepend_axis_num:
+        n = sharded.prepend_axis_num
+        return replace(sharded, key=sharded.key + "".join(f".layer{i}" for i in sharded.global_offset[:n]),
+                       prepend_axis_num=0, global_shape=sharded.global_shape[n:],
+                       global_offset=sharded.global_offset[n:],
+                       axis_fragmentations=sharded.axis_fragmentations and sharded.axis_fragmentations[n:])
+    return sharded
+
+
 def _state(model, optimizer, scheduler, iteration: int, consumed: int, loading: bool) -> dict:
     model_sd = model.sharded_state_dict()
+    optimizer_sd = optimizer.sharded_state_dict(model_sd, is_loading=loading)
+    if hasattr(optimizer, "materialized"):  # ZeRO-Cache
+        model_sd, optimizer_sd = per_layer_keys(model_sd), per_layer_keys(optimizer_sd)
     return {
         "model": model_sd,
-        "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=loading),
+        "optimizer": optimizer_sd,
         "opt_param_scheduler": scheduler.state_dict(),
         "iteration": iteration,
         "consumed_samples": consumed,

@@ -69,6 +69,7 @@ def test_update_equals_torch_adamw(tmp_path, dp, rate, nvme):
         # a checkpoint saves every state from its tier and loads into it in place: no tier copied whole
         views = r["checkpoint_views"]
         assert views["copy"] == 0 and views["chunk"] + views["nvme_file"] > 0, views
+        assert views["shards_per_key"] == 1, views
         assert (views["nvme_file"] > 0) == ("nvme" in r["tiers"]), views
     assert sum(r["owned_numel"] for r in ranks) == ranks[0]["total_numel"]  # each state owned once over DP
 

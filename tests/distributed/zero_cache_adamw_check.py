@@ -8,6 +8,7 @@ sees the DP-averaged gradients, the same clipping and weight-decay groups. Write
 per-parameter relative error after one update, the whole-model relative error after three, bytes per tier, and where the NVMe files were.
 """
 
+import collections
 import json
 import os
 import sys
@@ -33,9 +34,16 @@ def mapped_file(address: int):
 def checkpoint_views(model, opt) -> dict:
     """Where the tensors of the optimizer's checkpoint state live, for save and for load: inside a chunk's
     own states (host or device tier), in its NVMe file mapped into memory, or elsewhere (a copy)."""
-    counts = {"chunk": 0, "nvme_file": 0, "copy": 0}
+    from angelgpt.train.checkpoint import per_layer_keys
+
+    counts = {"chunk": 0, "nvme_file": 0, "copy": 0, "shards_per_key": 1}
     for loading in (False, True):
-        state = opt.sharded_state_dict(model.sharded_state_dict(), is_loading=loading)["state"]
+        model_sd = model.sharded_state_dict()
+        state = opt.sharded_state_dict(model_sd, is_loading=loading)["state"]
+        # as checkpoints name them: every key has one local tensor (tiers differ between layers)
+        keys = collections.Counter(t.key for t in [*per_layer_keys(state).values(), *per_layer_keys(model_sd).values()]
+                                   if hasattr(t, "prepend_axis_num"))
+        counts["shards_per_key"] = max(counts["shards_per_key"], *keys.values())
         for ten in state.values():
             ptr = ten.data.data_ptr()
             if any(c.tier != "nvme" and c.states.data_ptr() <= ptr < c.states.data_ptr() + c.states.nbytes
