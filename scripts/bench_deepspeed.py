@@ -1,5 +1,5 @@
 """Peer (c) of the side-by-side benchmark: the same GPT trained by DeepSpeed ZeRO-3 with its parameters
-and optimizer states offloaded to pinned CPU memory (DeepSpeed's CPU Adam), one process per GPU.
+and optimizer states offloaded to CPU memory (pinned by default; DeepSpeed's CPU Adam), one process per GPU.
 
     pip install 'angelgpt[bench]'     # DeepSpeed; its CPU Adam op builds on first use (ninja, a C++ compiler)
     python scripts/bench_deepspeed.py --size h200-16b --metrics-file /tmp/m.jsonl train.train_iters=6 \
@@ -7,11 +7,13 @@ and optimizer states offloaded to pinned CPU memory (DeepSpeed's CPU Adam), one 
 
 It takes `angelgpt train`'s config (preset, then KEY=VALUE overrides; optimizer and ZeRO-Cache keys are
 ignored; `deepspeed.A.B=VALUE` sets a key of the DeepSpeed config, for example
-`deepspeed.zero_optimization.offload_param.pin_memory=false`) so that the model shape, batch, AdamW hyper-parameters, clipping and FLOP count are the ones the
-other systems run, and it writes the same metrics records (JSON lines) and log lines. The model is a
-plain PyTorch GPT of Megatron's GPTModel shapes (learned positions, LayerNorm, biased linears, GELU MLP,
-tied output layer, SDPA causal attention, full activation recompute per layer), since Megatron's
-modules keep weights that ZeRO-3's hooks cannot gather. bench_train.py runs it with --runner deepspeed.
+`deepspeed.zero_optimization.offload_param.pin_memory=false`) so that the model shape, batch, AdamW
+hyper-parameters, clipping and FLOP count are the ones the other systems run, and it writes the same
+metrics records (JSON lines) and log lines. The model is a plain PyTorch GPT of Megatron's GPTModel
+shapes and initialisation (learned positions, LayerNorm, biased linears, GELU MLP, tied output layer,
+SDPA causal attention, full activation recompute per layer): ZeRO-3 gathers a module's own parameters
+around its forward, and this model keeps each weight in the module that uses it, the tied output
+layer sharing the embedding's parameter. bench_train.py runs it with --runner deepspeed.
 """
 
 from __future__ import annotations

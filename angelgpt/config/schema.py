@@ -209,7 +209,7 @@ class ZeroCacheConfig:
     is_communication_time_profiling: bool = False
     """Print per-iteration time in all-gather, reduce-scatter, H2D, D2H, NVMe I/O and optimizer."""
     save_large_model_multi_slice: bool = True
-    """Write checkpoints tensor by tensor (GPU tensors pass through host memory a slice at a time, host
+    """Write checkpoints tensor by tensor (GPU tensors pass through host memory one at a time, host
     and NVMe states are written from where they live) so a save never holds a second copy of the model
     in host memory; false uses Megatron's torch_dist saver on GPU, which first copies every tensor of
     the rank into host memory. Applies to every optimizer; on CPU saves always stream."""

@@ -29,7 +29,7 @@ TRACKER = "latest_checkpointed_iteration.txt"
 
 def _save_strategy(multi_slice: bool):
     """Megatron's torch_dist format, written tensor by tensor with PyTorch DCP's file writer and
-    Megatron's planner: GPU tensors go to host memory a slice at a time and host tensors are written
+    Megatron's planner: GPU tensors go to host memory one at a time and host tensors are written
     from where they are, so a save never holds a second copy of the model in host memory. Megatron's
     own torch_dist saver (multi_slice false, GPU only: its writer calls CUDA) first copies every tensor
     of the rank into host memory, and clones host tensors that are views. Megatron's loader reads both."""
