@@ -154,12 +154,14 @@ def place(groups: List[int], numels: List[int], n_groups: int, rate: float, host
     """Tiers per chunk, offloaded-weights flag per sub-group, bytes per tier, and per chunk whether the
     device updates it (`device_updated`). With NVMe, what the
     host cannot hold goes there: the host budget for states shrinks until everything on the host
-    (states, gradients, scratch, staging) fits, or nothing more can move. An offloaded layer's weights
+    (states, gradients, scratch, staging) fits, or nothing more can move, and grows into what the
+    device chunks' gradients leave free of the first pass's reserve while chunks still fit. An offloaded layer's weights
     live in its pinned gradient buffer: the last backward reads them before its gradients land there,
     and the update writes the new weights back. Host chunks updated on the device (`device_updated`)
     need two update buffers on the device, which share their memory with the accumulation slots."""
     room = host_room_for_states(host_limit, numels, grad_bytes, nvme_enabled)
-    while True:
+    fitting, last = None, None  # the last placement that fits; the tiers of the pass before
+    for _ in range(4 * len(numels) + 4):  # each pass moves a chunk between host and NVMe, or stops
         tiers = plan_tiers([n * 4 * STATES for n in numels], rate, room, nvme_enabled)
         flags = offloaded_layers(groups, tiers, n_groups, offload_params)
         if allowed is not None:  # over DP a layer is offloaded on every rank or on none
@@ -173,6 +175,13 @@ def place(groups: List[int], numels: List[int], n_groups: int, rate: float, host
         streamed = device_updated(groups, numels, tiers, flags, device_update_fraction)
         need["device"] += max(slots["device"], device_update_bytes(numels, streamed, grad_bytes))
         over = need["host"] - host_limit
-        if not nvme_enabled or over <= 0 or room <= 0:
+        if not nvme_enabled:
             return tiers, flags, need, streamed
-        room -= over
+        if over <= 0:
+            fitting = tiers, flags, need, streamed
+        if tiers == last or (over > 0 and (fitting or room <= 0)) or (over <= 0 and "nvme" not in tiers):
+            return fitting or (tiers, flags, need, streamed)
+        # next pass: the host states that were placed, less what is over the limit or plus what is free
+        room = sum(STATES * 4 * n for n, t in zip(numels, tiers) if t == "host") - over
+        last = tiers
+    return fitting or (tiers, flags, need, streamed)

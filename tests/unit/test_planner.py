@@ -26,10 +26,17 @@ def _config(result: dict):
     return resolve(size, overrides=overrides)
 
 
-def _completed():
-    out = []
+def _angelgpt_runs():
+    """Result files of runs of `angelgpt train` (the DeepSpeed peer's runs are of another program)."""
     for f in sorted(RESULTS.glob("peers-*.json")):
         r = json.loads(f.read_text())
+        if "angelgpt" in r["command"].split()[:3]:
+            yield f, r
+
+
+def _completed():
+    out = []
+    for f, r in _angelgpt_runs():
         if r["returncode"] == 0 and r.get("tflops_per_gpu_median"):
             out.append(pytest.param(r, id=f.stem))
     return out
@@ -60,8 +67,7 @@ def _out_of_memory():
     unexplained = pytest.mark.xfail(strict=True, reason="the planner's Megatron CPU offload model misses what "
                                                         "its first step allocates at 12 layers")
     out = []
-    for f in sorted(RESULTS.glob("peers-*.json")):
-        r = json.loads(f.read_text())
+    for _, r in _angelgpt_runs():
         if r.get("oom"):
             marks = unexplained if r["name"] == "peers-megatron_cpu_offload-L12-mb2-gb32" else ()
             out.append(pytest.param(r, id=r["name"], marks=marks))
@@ -168,3 +174,23 @@ def test_auto_accumulation_adds_up_in_the_store_only_where_that_fits_or_is_faste
     assert not off.fits
     assert chosen(8, 32).accumulate_in_store is False
     assert chosen(20, 2).accumulate_in_store is False
+
+
+def test_with_nvme_the_host_fills_before_states_go_to_disk():
+    """With NVMe on, the host takes states up to its limit (within one chunk): the first pass reserves a
+    host gradient for every chunk, and what the device chunks' gradients leave free goes to states."""
+    from angelgpt.zero_cache.placement import STATES, place
+
+    numels = [100] + [1000] * 12 + [100]  # embedding, 12 layers, output
+    groups = list(range(len(numels)))
+    host_limit = 80_000  # gradients, scratch and staging take 40,200 B; about three chunks of states fit
+    tiers, _, need, _ = place(groups, numels, len(numels), 0.5, host_limit, True, 2, False)
+    assert "nvme" in tiers and "device" in tiers
+    assert need["host"] <= host_limit
+    chunk = STATES * 4 * max(n for n, t in zip(numels, tiers) if t == "nvme")
+    assert host_limit - need["host"] < chunk, (need, tiers)  # no room left for one more NVMe chunk
+    # the same on the 55 shape: 24 layers (19.8B) fit one H200 with its 55 GiB of NVMe
+    cfg = resolve("h200-16b", overrides=["model.num_layers=24", "zero_cache.nvme_path=/tmp/angelgpt-nvme",
+                                         "train.global_batch_size=2"])
+    p = auto_plan(cfg, MACHINES["h200"], nvme=True)
+    assert p.system == "zero_cache" and p.fits and p.nvme_bytes > 0, p
