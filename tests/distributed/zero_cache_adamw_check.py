@@ -127,7 +127,8 @@ def main():
     tiers = sorted({c.tier for c in opt.chunks})
     allocated = opt.allocated_bytes()
     nvme_dir = str(opt.nvme.dir) if opt.nvme else None
-    in_place = checkpoint_views(model, opt)
+    with opt.materialized():  # as a checkpoint sees them: offloaded weights from their host copies
+        in_place = checkpoint_views(model, opt)
     opt.close()
     result = {"rank": rank, "first_update_max_rel_err": first_err, "three_updates_rel_err": err, "tiers": tiers, "allocated": allocated, "planned": opt.planned_bytes,
               "nvme_files": nvme_files, "nvme_dir": nvme_dir, "owned_numel": sum(c.numel for c in opt.chunks),
