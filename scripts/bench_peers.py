@@ -220,7 +220,10 @@ def report(args) -> int:
               "ZeRO-Cache's 7-layer run (461.8 TFLOP/s, one hardware queue, an older commit); against ZeRO-Cache "
               "at 6 layers (456.8) its 6-layer pageable run reached 125.1.",
               "- (e) ZeRO-Cache with the NVMe tier was not run at scale: the NVMe tier is tested for exact AdamW "
-              "equality on CPU and on the H200 (tiny model), but a 19B run did not fit into the GPU time.",
+              "equality on CPU and on the H200 (tiny model), but a 19B run did not fit into the GPU time. 23 "
+              "layers are 18.95B, so the goal needs 24 (19.76B): the planner places them at rate 0.40 with 54 "
+              "of the machine's 55 GiB of NVMe (123.6 GiB host, 131.1 GiB GPU), a step bound by NVMe I/O at "
+              "about 84 s (`angelgpt plan --size h200-16b model.num_layers=24 zero_cache.nvme_path=...`).",
               "- (b) Megatron CPU offload: 11 layers ran at offload fraction 0.5. At 12 layers it ran out of GPU "
               "memory at fractions 0.5 and 0.6 (`megatron_cpu_offload-L12-fraction0.5-gpu-oom.json`, and the "
               "run in the table) while creating its GPU Adam states, and the kernel's out-of-memory killer "
