@@ -152,13 +152,13 @@ def place(groups: List[int], numels: List[int], n_groups: int, rate: float, host
           grad_bytes: int, offload_params: bool, accumulate_in_store: bool = False, allowed=None,
           device_update_fraction: float = 0.0):
     """Tiers per chunk, offloaded-weights flag per sub-group, bytes per tier, and per chunk whether the
-    device updates it (`device_updated`). With NVMe, what the
-    host cannot hold goes there: the host budget for states shrinks until everything on the host
-    (states, gradients, scratch, staging) fits, or nothing more can move, and grows into what the
-    device chunks' gradients leave free of the first pass's reserve while chunks still fit. An offloaded layer's weights
-    live in its pinned gradient buffer: the last backward reads them before its gradients land there,
-    and the update writes the new weights back. Host chunks updated on the device (`device_updated`)
-    need two update buffers on the device, which share their memory with the accumulation slots."""
+    device updates it (`device_updated`). With NVMe, what the host cannot hold goes there: the host
+    budget for states shrinks until everything on the host (states, gradients, scratch, staging) fits,
+    or nothing more can move, and grows into what the device chunks' gradients leave free of the first
+    pass's reserve while chunks still fit. An offloaded layer's weights live in its pinned gradient
+    buffer: the last backward reads them before its gradients land there, and the update writes the
+    new weights back. Host chunks updated on the device (`device_updated`) need two update buffers on
+    the device, which share their memory with the accumulation slots."""
     room = host_room_for_states(host_limit, numels, grad_bytes, nvme_enabled)
     fitting, last = None, None  # the last placement that fits; the tiers of the pass before
     for _ in range(4 * len(numels) + 4):  # each pass moves a chunk between host and NVMe, or stops
