@@ -144,7 +144,7 @@ def main() -> int:
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     ds_keys = [o for o in args.overrides if o.startswith("deepspeed.")]
-    if any("=" not in o for o in ds_keys):
+    if any("=" not in o or not o.partition("=")[0][len("deepspeed."):] for o in ds_keys):
         print("bench_deepspeed: a DeepSpeed override is deepspeed.KEY.PATH=VALUE", file=sys.stderr)
         return 2
     try:
@@ -155,7 +155,12 @@ def main() -> int:
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
                        ("MASTER_PORT", "29517")):
         os.environ.setdefault(key, value)
-    import deepspeed
+    try:
+        import deepspeed
+        from deepspeed.runtime.config import DeepSpeedConfig
+    except ImportError:
+        print("bench_deepspeed: DeepSpeed is not installed (pip install 'angelgpt[bench]')", file=sys.stderr)
+        return 2
 
     on_gpu = torch.cuda.is_available()
     if on_gpu:
@@ -164,6 +169,12 @@ def main() -> int:
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     config = ds_config(cfg, world, on_gpu)
     set_ds_keys(config, ds_keys)
+    try:  # DeepSpeed's own validation, before any large allocation
+        DeepSpeedConfig(config)
+    except Exception as exc:  # pydantic's ValidationError or DeepSpeed's assertions on the values
+        problem = " ".join(line.strip() for line in str(exc).splitlines()[:3])
+        print(f"bench_deepspeed: the DeepSpeed config is refused: {problem}", file=sys.stderr)
+        return 2
     progress(rank, f"ZeRO-3 config {json.dumps(config['zero_optimization'])}; building the model")
     torch.manual_seed(cfg.train.seed)
     dtype = torch.bfloat16 if on_gpu else torch.float32
