@@ -214,8 +214,8 @@ def report(args) -> int:
               "(DeepSpeed's default) it fits 5 layers (283.0 TFLOP/s, 121.7 GiB host); at 6 layers its start-up "
               "alone took 106.3 GiB of host memory and the out-of-memory killer stopped it in the first step "
               "(`deepspeed-L6-pinned-host-oom.json`; 7 and 8 layers likewise: `deepspeed-L7-pinned-host-oom.json`, "
-              "`deepspeed-L8-pinned-host-oom.json`). With pageable host memory (`pin_memory: false`) its start-up "
-              "took 66.2 GiB at 6 layers, so it fits 7 layers, at 121.6 TFLOP/s: the parameters cross PCIe from "
+              "`deepspeed-L8-pinned-host-oom.json`). With pageable host memory (`pin_memory: false`) its whole "
+              "6-layer run peaked at 105.9 GiB, and it fits 7 layers, at 121.6 TFLOP/s: the parameters cross PCIe from "
               "pageable memory every micro batch. The speed ratio at its largest size compares that run with "
               "ZeRO-Cache's 7-layer run (461.8 TFLOP/s, one hardware queue, an older commit); against ZeRO-Cache "
               "at 6 layers (456.8) its 6-layer pageable run reached 125.1.",
