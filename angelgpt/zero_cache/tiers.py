@@ -135,19 +135,28 @@ class NVMeTier:
             self._staging[slot] = torch.empty(numel, dtype=torch.float32)
         return self._staging[slot][:numel]
 
+    # Linux moves at most 0x7ffff000 bytes per read/write call: larger chunks take several calls.
+    IO_BLOCK = 1 << 30
+
     @staticmethod
     def read(file: Path, out: torch.Tensor) -> torch.Tensor:
+        view = memoryview(out.numpy()).cast("B")
         with open(file, "rb", buffering=0) as fh:
-            view = memoryview(out.numpy()).cast("B")
-            got = fh.readinto(view)
-        if got != out.numel() * 4:
-            raise IOError(f"short read from {file}: {got} of {out.numel() * 4} bytes")
+            done = 0
+            while done < len(view):
+                got = fh.readinto(view[done:done + NVMeTier.IO_BLOCK])
+                if not got:
+                    raise IOError(f"short read from {file}: {done} of {len(view)} bytes")
+                done += got
         return out
 
     @staticmethod
     def write(file: Path, data: torch.Tensor) -> None:
+        view = memoryview(data.contiguous().numpy()).cast("B")
         with open(file, "r+b", buffering=0) as fh:
-            fh.write(memoryview(data.contiguous().numpy()).cast("B"))
+            done = 0
+            while done < len(view):
+                done += fh.write(view[done:done + NVMeTier.IO_BLOCK])
 
     def close(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
