@@ -9,8 +9,10 @@ against Megatron's distributed optimizer, Megatron's CPU offload and DeepSpeed Z
 
 The GPT family is the 55 preset's layer shape (hidden 8192, 64 heads of 128, FFN 32768, vocabulary
 50257, sequence 2048, full activation recompute, bf16, mock data) with a varying number of layers
-(the `h200-16b` preset with model.num_layers=L). A case is SYSTEM:LAYERS[:micro_batch[:global_batch[:overrides]]],
-the overrides comma-separated KEY=VALUE pairs for that case alone (for example
+(the `h200-16b` preset with model.num_layers=L). Every system may choose its own micro batch and
+recompute (`model.recompute=none` keeps activations where GPU memory allows; such a case's file name
+says so). A case is SYSTEM:LAYERS[:micro_batch[:global_batch[:overrides]]], the overrides
+comma-separated KEY=VALUE pairs for that case alone (for example
 `megatron_cpu_offload:13:2:32:optim.offload_fraction=0.7`).
 """
 
@@ -59,6 +61,9 @@ def run(args) -> int:
     for text in args.cases:
         system, layers, mb, gb, case_extra = parse_case(text)
         name = f"peers-{system}-L{layers}-mb{mb}-gb{gb}"
+        recompute = [kv.split("=", 1)[1] for kv in case_extra if kv.startswith("model.recompute=")]
+        if recompute:  # the preset recomputes every layer; another choice is another case
+            name += f"-recompute{recompute[-1]}"
         if (RESULTS / f"{name}.json").exists() and not args.force:
             print(f"{name}: result exists, skipped", flush=True)
             continue
@@ -96,8 +101,8 @@ def load_results():
     return out
 
 
-NOTABLE = ("optim.offload_fraction", "zero_cache.accumulate_in_store", "zero_cache.offload_params",
-           "zero_cache.device_update_fraction", "zero_cache.nvme_path")
+NOTABLE = ("model.recompute", "optim.offload_fraction", "zero_cache.accumulate_in_store",
+           "zero_cache.offload_params", "zero_cache.device_update_fraction", "zero_cache.nvme_path")
 
 
 def settings(command: str) -> str:
