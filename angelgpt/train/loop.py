@@ -58,7 +58,8 @@ def loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
     """Mean next-token cross entropy over unmasked tokens; output is the per-token loss [b, s]."""
     mask = loss_mask.reshape(-1).float()
     loss = (output.float().reshape(-1) * mask).sum() / mask.sum().clamp(min=1.0)
-    return loss, {"lm loss": loss.detach()}
+    # a copy: Megatron's schedule divides the returned loss by the number of micro batches in place
+    return loss, {"lm loss": loss.detach().clone()}
 
 
 def forward_step(data_iterator, model):
