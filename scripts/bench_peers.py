@@ -220,15 +220,28 @@ def report(args) -> int:
               "alone took 106.3 GiB of host memory and the out-of-memory killer stopped it in the first step "
               "(`deepspeed-L6-pinned-host-oom.json`; 7 and 8 layers likewise: `deepspeed-L7-pinned-host-oom.json`, "
               "`deepspeed-L8-pinned-host-oom.json`). With pageable host memory (`pin_memory: false`) its whole "
-              "6-layer run peaked at 105.9 GiB, and it fits 7 layers, at 121.6 TFLOP/s: the parameters cross PCIe from "
-              "pageable memory every micro batch. The speed ratio at its largest size compares that run with "
-              "ZeRO-Cache's 7-layer run (461.8 TFLOP/s, one hardware queue, an older commit); against ZeRO-Cache "
-              "at 6 layers (456.8) its 6-layer pageable run reached 125.1.",
-              "- (e) ZeRO-Cache with the NVMe tier was not run at scale: the NVMe tier is tested for exact AdamW "
-              "equality on CPU and on the H200 (tiny model), but a 19B run did not fit into the GPU time. 23 "
-              "layers are 18.95B, so the goal needs 24 (19.76B): the planner places them at rate 0.40 with 54 "
-              "of the machine's 55 GiB of NVMe (123.6 GiB host, 131.1 GiB GPU), a step bound by NVMe I/O at "
-              "about 84 s (`angelgpt plan --size h200-16b model.num_layers=24 zero_cache.nvme_path=...`).",
+              "6-layer run peaked at 105.9 GiB, and it fits 7 layers, at 121.6 TFLOP/s with full recompute and "
+              "126.6 without (40.6 GiB GPU, 119.4 GiB host): the parameters cross PCIe from pageable memory "
+              "every micro batch, so recomputing costs it little. Against ZeRO-Cache at 6 layers (456.8) its "
+              "6-layer pageable run reached 125.1.",
+              "- Recompute: every system may pick its micro batch and `model.recompute` (the preset recomputes "
+              "every layer). Where GPU memory allows, no recompute is faster for all of them: at 7 layers (a) "
+              "made 545.1 TFLOP/s (micro batch 2; 446.1 with recompute) and (d) 584.4; at 11 layers (b) made "
+              "458.6 (micro batch 1, offload fraction 0.5; 388.4 with recompute) and (d) 533.9. The speed "
+              "ratios take each system's fastest run at a size. (d)/(b) at 11 layers misses 1.2x: it would "
+              "need 550 TFLOP/s, a 6.75 s step; the profile shows 0.41 s of the 6.96 s step waiting for the "
+              "host update (22% of the states are on the host at rate 0.78; the planner's device estimate "
+              "there was 128.2 GiB, the run peaked at 119.3 GiB allocated). At (d)'s largest sizes the "
+              "activations only fit with recompute, so against (a)'s 545.1 the 19-layer run (393.6) is 0.72x.",
+              "- (e) ZeRO-Cache with the NVMe tier: 24 layers (19.76B) at rate 0.40 (`auto`) completed 3 "
+              "steps at global batch 2: 63 GiB of states on the disk, 114.6 GiB host and 122.1 GiB GPU at "
+              "peak, 67.6 s per step, 7.3 TFLOP/s. The step is the NVMe tier's: 135.3 GB read and written per "
+              "step, and the next forward waits 64-68 s for the update. 23 layers are 18.95B, so the goal "
+              "needs 24. Its first attempt stopped on a short read: Linux moves at most 2 GiB per read or "
+              "write call, and a 9.7 GB chunk had been written short (fixed in 6ef7912).",
+              "- Losses: runs before commit d0edda7 on the GPU logged the loss divided by the number of micro "
+              "batches (Megatron's schedule scales the loss it back-propagates in place, and the logged value "
+              "shared its storage); gradients, throughput and memory were not affected.",
               "- (b) Megatron CPU offload: 11 layers ran at offload fraction 0.5. At 12 layers it ran out of GPU "
               "memory at fractions 0.5 and 0.6 (`megatron_cpu_offload-L12-fraction0.5-gpu-oom.json`, and the "
               "run in the table) while creating its GPU Adam states, and the kernel's out-of-memory killer "
