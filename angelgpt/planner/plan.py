@@ -47,7 +47,7 @@ class Machine:
     host_mem_gib: float  # per node
     nvme_gib: float  # per node, free
     pcie_gbs: float  # per GPU, each direction, pinned
-    nvme_gbs: float  # per node
+    nvme_gbs: float  # per node, reading and writing at once (the update writes a chunk while the next is read)
     net_gbps: float  # per GPU, collective bus bandwidth inside the node (GB/s)
     gpu_tflops: float  # achieved dense bf16 rate on transformer layers (hardware FLOPs)
     cpu_adam_gparams: float  # fused CPU AdamW, G params/s per node
@@ -56,10 +56,12 @@ class Machine:
 
 MACHINES: Dict[str, Machine] = {
     # measured on the test machine (shared FACTS): PCIe 55.3 GB/s each way, CPU AdamW 4.2 G params/s
-    # on 16 cores, disk 1.4 GB/s, Megatron GPT at h=8192 630 hardware TFLOP/s with full recompute
+    # on 16 cores, disk 1.4 GB/s written and 1.5 read one way at a time, Megatron GPT at h=8192 630
+    # hardware TFLOP/s with full recompute; ZeRO-Cache's NVMe tier moved 2.0 GB/s reading and writing at
+    # once (24 layers of the 55 shape: 135.3 GB per step in 67.6 s)
     # ZeRO-Cache's host update ran 2.25 G params/s there (20 layers of the 55 shape: 9.0B host-resident
     # parameters in 4.0 s of update thread); the other machines' figures scale the same ratio
-    "h200": Machine("h200", 1, 139.8, 126.0, 55.0, 55.0, 1.4, 150.0, 630.0, 4.2, 2.25),
+    "h200": Machine("h200", 1, 139.8, 126.0, 55.0, 55.0, 2.0, 150.0, 630.0, 4.2, 2.25),
     "h200x8": Machine("h200x8", 8, 139.8, 2000.0, 3000.0, 55.0, 6.0, 150.0, 630.0, 20.0, 10.7),
     "h100x8": Machine("h100x8", 8, 79.6, 2000.0, 3000.0, 50.0, 6.0, 150.0, 600.0, 20.0, 10.7),
     "a100-80gx8": Machine("a100-80gx8", 8, 79.2, 1000.0, 3000.0, 24.0, 3.0, 100.0, 240.0, 8.0, 4.3),
