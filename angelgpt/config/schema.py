@@ -69,7 +69,9 @@ class ModelConfig:
     init_method_std: float = 0.02
     """Standard deviation of the normal weight initialisation."""
     recompute: str = "none"
-    """Activation recompute: 'none', or 'full' (every layer's activations are recomputed in backward)."""
+    """Activation recompute: 'none', 'full' (every layer's activations are recomputed in backward), or
+    'auto': the planner's choice at launch, none where the activations fit and that is faster, else full
+    (on CPU: none)."""
     transformer_impl: str = "auto"
     """'auto' (transformer-engine when it imports on GPU, else local), 'local' or 'transformer_engine'."""
 
@@ -94,8 +96,8 @@ class ModelConfig:
         _require(self.position_embedding_type in ("learned_absolute", "rope"),
                  f"model.position_embedding_type must be 'learned_absolute' or 'rope', got "
                  f"'{self.position_embedding_type}'")
-        _require(self.recompute in ("none", "full"),
-                 f"model.recompute must be 'none' or 'full', got '{self.recompute}'")
+        _require(self.recompute in ("none", "full", "auto"),
+                 f"model.recompute must be 'none', 'full' or 'auto', got '{self.recompute}'")
         _require(self.transformer_impl in ("auto", "local", "transformer_engine"),
                  f"model.transformer_impl must be 'auto', 'local' or 'transformer_engine', got "
                  f"'{self.transformer_impl}'")
@@ -412,7 +414,7 @@ class Config:
                      "allocate on CUDA)")
             _require(self.optim.optimizer != "megatron_cpu_offload",
                      "optim.optimizer 'megatron_cpu_offload' needs CUDA (Megatron's HybridDeviceOptimizer)")
-            _require(self.model.recompute == "none",
+            _require(self.model.recompute != "full",
                      "model.recompute 'full' needs CUDA (Megatron's activation checkpointing saves the CUDA RNG "
                      "state); use 'none' on CPU")
             _require(self.model.position_embedding_type != "rope",

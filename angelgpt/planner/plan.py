@@ -141,6 +141,7 @@ class SystemPlan:
     offload_params: Optional[bool] = None  # zero_cache: are the weights of host-resident layers offloaded
     accumulate_in_store: Optional[bool] = None  # zero_cache: do micro batches' gradients add up in the store
     device_update_fraction: Optional[float] = None  # zero_cache: of the host-resident states, updated on the GPU
+    recompute: str = "none"  # model.recompute as planned ('auto' resolved)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -170,7 +171,7 @@ def _finish(system, cfg, hw, gpus_per_node, world, gpu, host, nvme, step, rate=N
     flops = flops_per_iteration(cfg)
     return SystemPlan(system, gpu, host, nvme_total, gpu_total, host_total, all(v >= 0 for v in margin.values()),
                       margin, {k: round(v, 4) for k, v in step.items()}, round(total, 4), bottleneck, rate,
-                      round(flops / total / world / 1e12, 1))
+                      round(flops / total / world / 1e12, 1), recompute=cfg.model.recompute)
 
 
 def _compute_s(cfg: Config, hw: Machine, world: int) -> float:
@@ -193,6 +194,14 @@ def _accumulation_choices(cfg: Config, dp: int):
     if micro_batches(cfg, dp) <= 1:
         return [replace(cfg, zero_cache=replace(zc, accumulate_in_store=False))]
     return [replace(cfg, zero_cache=replace(zc, accumulate_in_store=v)) for v in (False, True)]
+
+
+def _recompute_resolved(plan_fn, cfg: Config) -> Optional[SystemPlan]:
+    """With model.recompute 'auto': plan_fn's plan without recompute if that fits and is faster, else with
+    full recompute (None when recompute is set)."""
+    if cfg.model.recompute != "auto":
+        return None
+    return _pick([plan_fn(replace(cfg, model=replace(cfg.model, recompute=r))) for r in ("none", "full")])
 
 
 def _pick(plans):
@@ -263,6 +272,9 @@ def rank_tier_bytes(cfg: Config, dp: int, dp_rank: int, rate: float, host_limit:
 def plan_zero_cache(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int = 1,
                     rate: Optional[float] = None, nvme: Optional[bool] = None) -> SystemPlan:
     """ZeRO-Cache on rank 0 of the first pipeline stage (the largest: it holds the embedding)."""
+    chosen = _recompute_resolved(lambda c: plan_zero_cache(c, hw, gpus_per_node, nodes, rate, nvme), cfg)
+    if chosen:
+        return chosen
     world, dp = _world(cfg, gpus_per_node, nodes)
     zc = cfg.zero_cache
     if rate is None:
@@ -357,6 +369,9 @@ def plan_zero_cache(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int
 def auto_plan(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int = 1, nvme: bool = False) -> SystemPlan:
     """The largest prefetch_cache_sub_group_rate (in steps of 0.01) that fits; states on GPU are updated
     30x faster than on the CPU and cross no PCIe, so more on the GPU is faster while it fits."""
+    chosen = _recompute_resolved(lambda c: auto_plan(c, hw, gpus_per_node, nodes, nvme), cfg)
+    if chosen:
+        return chosen
     resolved = _resolve_auto(cfg, _world(cfg, gpus_per_node, nodes)[1],
                              lambda c: auto_plan(c, hw, gpus_per_node, nodes, nvme))
     if resolved:
@@ -372,6 +387,9 @@ def auto_plan(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int = 1, 
 
 def plan_megatron(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int = 1) -> SystemPlan:
     """Megatron's distributed optimizer: bf16 weights, fp32 main grads, fp32 master + moments sharded over DP."""
+    chosen = _recompute_resolved(lambda c: plan_megatron(c, hw, gpus_per_node, nodes), cfg)
+    if chosen:
+        return chosen
     world, dp = _world(cfg, gpus_per_node, nodes)
     n = sum(p.numel for p in rank_params(cfg, 0))
     # without transformer-engine or apex Megatron steps with torch's foreach AdamW, whose temporaries
@@ -389,6 +407,9 @@ def plan_megatron(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int =
 def plan_megatron_cpu_offload(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int = 1) -> SystemPlan:
     """Megatron's HybridDeviceOptimizer: offload_fraction of fp32 master, moments and an fp32 gradient copy
     in pinned host memory, updated by torch's CPU AdamW after backward (the transfers overlap it)."""
+    chosen = _recompute_resolved(lambda c: plan_megatron_cpu_offload(c, hw, gpus_per_node, nodes), cfg)
+    if chosen:
+        return chosen
     world, dp = _world(cfg, gpus_per_node, nodes)
     n = sum(p.numel for p in rank_params(cfg, 0))
     f = cfg.optim.offload_fraction
@@ -412,6 +433,9 @@ def plan_zero3_offload(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: 
     """ZeRO-3 with parameter and optimizer offload to CPU: 16-bit weights and fp32 grads, master and
     moments on the host, weights fetched over PCIe for every forward and backward, the CPU update after
     backward, not overlapped."""
+    chosen = _recompute_resolved(lambda c: plan_zero3_offload(c, hw, gpus_per_node, nodes), cfg)
+    if chosen:
+        return chosen
     world, dp = _world(cfg, gpus_per_node, nodes)
     n = sum(p.numel for p in rank_params(cfg, 0))
     shard = -(-n // dp)
@@ -457,6 +481,23 @@ def this_machine(cfg: Config, gpu_total_bytes: int, gpus_per_node: int) -> Machi
     return replace(MACHINES["h200"], gpus_per_node=gpus_per_node, gpu_mem_gib=gpu_total_bytes / GIB,
                    host_mem_gib=(host_bytes(zc.host_max_gib) + HOST_PROCESS) * gpus_per_node / GIB,
                    nvme_gib=nvme_bytes(zc.nvme_path, zc.nvme_max_gib) * gpus_per_node / GIB)
+
+
+def resolve_recompute(cfg: Config, device) -> str:
+    """model.recompute for this run: as configured, or with 'auto' the planner's choice for this GPU and
+    this host (none on CPU, where full recompute cannot run)."""
+    if cfg.model.recompute != "auto":
+        return cfg.model.recompute
+    if device.type != "cuda":
+        return "none"
+    import os
+
+    import torch
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    nodes = max(1, int(os.environ.get("WORLD_SIZE", "1")) // local)
+    hw = this_machine(cfg, torch.cuda.mem_get_info(device)[1], local)
+    return plan_for(cfg, hw, local, nodes).recompute
 
 
 def auto_settings(cfg: Config, device, dp_size: int):

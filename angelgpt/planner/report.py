@@ -31,10 +31,11 @@ def render(cfg, hw: Machine, gpus_per_node: int, nodes: int, plans: Dict[str, Sy
              f"activations per micro batch: {activation_bytes(cfg, True) / GIB:.2f} GiB with full recompute, "
              f"{activation_bytes(cfg, False) / GIB:.2f} GiB without (model.recompute={m.recompute})"]
     for name, p in plans.items():
-        title = name + (f" (prefetch_cache_sub_group_rate {p.rate:.2f}" + (
-            f", device_update_fraction {p.device_update_fraction:.2f}" if p.device_update_fraction else "") + (
-            ", accumulate_in_store" if p.accumulate_in_store else "") + ")"
-            if p.rate is not None else "")
+        chosen = ([f"recompute {p.recompute}"] if m.recompute == "auto" else []) + (
+            [f"prefetch_cache_sub_group_rate {p.rate:.2f}"] if p.rate is not None else []) + (
+            [f"device_update_fraction {p.device_update_fraction:.2f}"] if p.device_update_fraction else []) + (
+            ["accumulate_in_store"] if p.accumulate_in_store else [])
+        title = name + (f" ({', '.join(chosen)})" if chosen else "")
         verdict = "fits" if p.fits else "DOES NOT FIT"
         short = [k for k, v in p.margin.items() if v < 0]
         lines += ["", f"== {title}: {verdict}" + (f" (short of {', '.join(short)})" if short else "")]

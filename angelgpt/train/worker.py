@@ -50,6 +50,24 @@ def build(cfg, on_gpu: bool):
     return model, optimizer, build_scheduler(optimizer, cfg)
 
 
+def _resolve_recompute(cfg, on_gpu: bool):
+    """model.recompute 'auto' made concrete: rank 0's planner decides (host memory differs a little
+    from rank to rank), every rank follows."""
+    from dataclasses import replace
+
+    import torch
+    import torch.distributed as dist
+
+    from angelgpt import parallel
+    from angelgpt.planner.plan import resolve_recompute
+
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    choice = [resolve_recompute(cfg, device) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(choice, src=0)
+    parallel.print_rank_0(f"model.recompute auto: {choice[0]}")
+    return replace(cfg, model=replace(cfg.model, recompute=choice[0]))
+
+
 def run(cfg) -> float:
     import torch
     from megatron.core import parallel_state
@@ -72,6 +90,8 @@ def run(cfg) -> float:
     cfg.data_parallel_size(world)
     parallel.initialize(cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size, on_gpu,
                         cfg.parallel.distributed_timeout_minutes)
+    if cfg.model.recompute == "auto":
+        cfg = _resolve_recompute(cfg, on_gpu)
     torch.manual_seed(cfg.train.seed)
     if on_gpu:
         from megatron.core import tensor_parallel

@@ -60,3 +60,10 @@ def test_tensorboard_event_files(tmp_path):
     acc.Reload()
     steps = [e.step for e in acc.Scalars("train/lm_loss")]
     assert steps == [1, 2, 3]
+
+
+def test_recompute_auto_resolves_to_none_on_cpu_on_every_rank(tmp_path):
+    records, out = train_tiny(tmp_path, "auto", "train.train_iters=2", "model.recompute=auto", nproc=2,
+                              with_output=True)
+    assert "model.recompute auto: none" in out
+    assert [r["iteration"] for r in records] == [1, 2]

@@ -3,6 +3,7 @@
 
 import json
 import shlex
+from dataclasses import replace
 
 import pytest
 
@@ -194,3 +195,20 @@ def test_with_nvme_the_host_fills_before_states_go_to_disk():
                                          "train.global_batch_size=2"])
     p = auto_plan(cfg, MACHINES["h200"], nvme=True)
     assert p.system == "zero_cache" and p.fits and p.nvme_bytes > 0, p
+
+
+def test_recompute_auto_keeps_activations_where_they_fit_and_recomputes_where_they_do_not():
+    """Measured on the H200: 7 layers of the 55 shape without recompute, 545.1 model TFLOP/s (Megatron) and
+    584.4 (ZeRO-Cache) against 446.1 and 461.8 with it; at 19 layers only full recompute fits."""
+    def cfg(layers, optimizer):
+        return resolve("h200-16b", overrides=[f"model.num_layers={layers}", "model.recompute=auto",
+                                              "train.micro_batch_size=1", "train.global_batch_size=32",
+                                              f"optim.optimizer={optimizer}"])
+
+    for optimizer in ("megatron", "zero_cache"):
+        p = plan_for(cfg(7, optimizer), MACHINES["h200"])
+        assert p.fits and p.recompute == "none", (optimizer, p)
+    p = plan_for(cfg(19, "zero_cache"), MACHINES["h200"])
+    assert p.fits and p.recompute == "full", p
+    big = cfg(19, "zero_cache")
+    assert not plan_for(replace(big, model=replace(big.model, recompute="none")), MACHINES["h200"]).fits
