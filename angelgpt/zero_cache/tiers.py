@@ -156,7 +156,10 @@ class NVMeTier:
         with open(file, "r+b", buffering=0) as fh:
             done = 0
             while done < len(view):
-                done += fh.write(view[done:done + NVMeTier.IO_BLOCK])
+                wrote = fh.write(view[done:done + NVMeTier.IO_BLOCK])
+                if not wrote:
+                    raise IOError(f"short write to {file}: {done} of {len(view)} bytes")
+                done += wrote
 
     def close(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
