@@ -50,7 +50,7 @@ from angelgpt.zero_cache.pipeline import Profile, Streams
 from angelgpt.zero_cache.placement import (ACCUMULATION_SLOTS, DEVICE_UPDATE_SLICE, SLICE, STATES,
                                            accumulation_bytes, device_update_bytes, largest_off_device_group,
                                            partition, place, slices)
-from angelgpt.zero_cache.tiers import (DeviceTier, HostTier, NVMeTier, available_bytes, check_capacity,
+from angelgpt.zero_cache.tiers import (GIB, DeviceTier, HostTier, NVMeTier, available_bytes, check_capacity,
                                        check_memlock)
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -204,6 +204,11 @@ class ZeroCacheOptimizer:
         from angelgpt.planner.plan import GPU_HEADROOM, device_reserve
 
         grad_bytes = self.params[0].element_size()
+        if zc.nvme_path:  # chunk files a killed run left would count against this run's NVMe room
+            freed = NVMeTier.reclaim(zc.nvme_path)
+            if freed:
+                print(f"zero_cache: removed {freed / GIB:.2f} GiB of NVMe chunks that an ended run left under "
+                      f"{zc.nvme_path}", flush=True)
         avail = available_bytes(self.device, zc.host_max_gib, zc.nvme_path, zc.nvme_max_gib)
         numels = [c.numel for c in self.chunks]
         groups = [c.group for c in self.chunks]

@@ -8,6 +8,7 @@ back from) two reusable host staging buffers.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import uuid
@@ -91,9 +92,12 @@ class HostTier:
 
 
 class NVMeTier:
-    """Chunk files under ``path/angelgpt-<id>/``; removed by ``close()``."""
+    """Chunk files under ``path/angelgpt-<id>/``; removed by ``close()``. The directory's lock file stays
+    locked while its process lives, so what a killed run leaves behind can be told apart and reclaimed
+    (``reclaim``), also across containers that share the disk."""
 
     name = "nvme"
+    LOCK = ".lock"
 
     def __init__(self, path: str):
         root = Path(path)
@@ -104,10 +108,37 @@ class NVMeTier:
             probe.unlink()
         except OSError as exc:
             raise ConfigError(f"zero_cache.nvme_path {path} is not writable: {exc.strerror or exc}") from None
-        self.dir = root / f"angelgpt-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.dir.mkdir()
+        name = f"angelgpt-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        building = root / f".{name}"  # locked before it takes a name reclaim() looks at
+        building.mkdir()
+        self._lock = open(building / self.LOCK, "w")
+        fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        self.dir = root / name
+        building.rename(self.dir)
         self.bytes = 0
         self._staging = []  # two reusable host buffers (double buffering)
+
+    @classmethod
+    def reclaim(cls, path: str) -> int:
+        """Removes the chunk directories under path whose lock no process holds (runs that were killed
+        before close()); returns the bytes they took on disk."""
+        freed = 0
+        root = Path(path)
+        if not root.is_dir():
+            return 0
+        for d in root.glob("angelgpt-*"):
+            try:
+                fh = open(d / cls.LOCK, "r")
+            except OSError:
+                continue  # not a tier's directory, or one being removed
+            with fh:
+                try:
+                    fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    continue  # its run is alive
+                freed += sum(f.stat().st_blocks * 512 for f in d.iterdir() if f.is_file())
+                shutil.rmtree(d, ignore_errors=True)
+        return freed
 
     @staticmethod
     def free_bytes(path: str) -> int:
@@ -163,6 +194,7 @@ class NVMeTier:
 
     def close(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
+        self._lock.close()
         self._staging = []
 
 

@@ -1,5 +1,7 @@
-"""ZeRO-Cache's NVMe tier on the local disk: a chunk file round-trips whole."""
+"""ZeRO-Cache's NVMe tier on the local disk: a chunk file round-trips whole, and what a killed run left is
+reclaimed."""
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,3 +27,27 @@ def test_a_chunk_larger_than_one_system_call_round_trips(tmp_path):
     finally:
         tier.close()
     assert not tier.dir.exists()
+
+
+def test_chunks_a_killed_run_left_are_reclaimed_and_a_live_runs_are_kept(tmp_path):
+    import subprocess
+    import sys
+
+    killed = subprocess.run(
+        [sys.executable, "-c", "import os, sys, torch; from angelgpt.zero_cache.tiers import NVMeTier; "
+         "t = NVMeTier(sys.argv[1]); f = t.create('g0001_decay', 1 << 18); "
+         "NVMeTier.write(f, torch.ones(1 << 18)); print(t.dir); os._exit(0)", str(tmp_path)],
+        capture_output=True, text=True, check=True).stdout.strip()
+    live = NVMeTier(str(tmp_path))
+    NVMeTier.write(live.create("g0001_decay", 1 << 18), torch.ones(1 << 18))
+    other = tmp_path / "angelgpt-not-a-tier"  # no lock file: not ours to remove
+    other.mkdir()
+    try:
+        freed = NVMeTier.reclaim(str(tmp_path))
+        assert freed >= 4 << 18  # the killed run's chunk file
+        assert not Path(killed).exists()
+        assert live.dir.exists() and other.exists()
+        assert NVMeTier.read(live.dir / "g0001_decay.bin", torch.zeros(1 << 18)).eq(1).all()
+    finally:
+        live.close()
+    assert NVMeTier.reclaim(str(tmp_path)) == 0 and not live.dir.exists()
