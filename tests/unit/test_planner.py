@@ -190,7 +190,7 @@ def test_with_nvme_the_host_fills_before_states_go_to_disk():
     assert need["host"] <= host_limit
     chunk = STATES * 4 * max(n for n, t in zip(numels, tiers) if t == "nvme")
     assert host_limit - need["host"] < chunk, (need, tiers)  # no room left for one more NVMe chunk
-    # the same on the 55 shape: 24 layers (19.8B) fit one H200 with its 55 GiB of NVMe
+    # the same on the 55 shape: 24 layers (19.8B) fit one H200 with its 64 GiB of free disk
     cfg = resolve("h200-16b", overrides=["model.num_layers=24", "zero_cache.nvme_path=/tmp/angelgpt-nvme",
                                          "train.global_batch_size=2"])
     p = auto_plan(cfg, MACHINES["h200"], nvme=True)
