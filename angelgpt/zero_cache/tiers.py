@@ -170,27 +170,26 @@ class NVMeTier:
     IO_BLOCK = 1 << 30
 
     @staticmethod
-    def read(file: Path, out: torch.Tensor) -> torch.Tensor:
-        view = memoryview(out.numpy()).cast("B")
-        with open(file, "rb", buffering=0) as fh:
+    def _move(file: Path, mode: str, view: memoryview) -> None:
+        """Reads the file into view ('rb') or writes view to it ('r+b'), a block per system call."""
+        with open(file, mode, buffering=0) as fh:
+            call = fh.readinto if mode == "rb" else fh.write
             done = 0
             while done < len(view):
-                got = fh.readinto(view[done:done + NVMeTier.IO_BLOCK])
-                if not got:
-                    raise IOError(f"short read from {file}: {done} of {len(view)} bytes")
-                done += got
+                moved = call(view[done:done + NVMeTier.IO_BLOCK])
+                if not moved:
+                    raise IOError(f"short {'read from' if mode == 'rb' else 'write to'} {file}: "
+                                  f"{done} of {len(view)} bytes")
+                done += moved
+
+    @staticmethod
+    def read(file: Path, out: torch.Tensor) -> torch.Tensor:
+        NVMeTier._move(file, "rb", memoryview(out.numpy()).cast("B"))
         return out
 
     @staticmethod
     def write(file: Path, data: torch.Tensor) -> None:
-        view = memoryview(data.contiguous().numpy()).cast("B")
-        with open(file, "r+b", buffering=0) as fh:
-            done = 0
-            while done < len(view):
-                wrote = fh.write(view[done:done + NVMeTier.IO_BLOCK])
-                if not wrote:
-                    raise IOError(f"short write to {file}: {done} of {len(view)} bytes")
-                done += wrote
+        NVMeTier._move(file, "r+b", memoryview(data.contiguous().numpy()).cast("B"))
 
     def close(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
