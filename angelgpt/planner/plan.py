@@ -22,6 +22,7 @@ hidden is exposed; the largest exposed term, else compute, is the bottleneck.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
+from functools import wraps
 from typing import Dict, Optional
 
 from angelgpt.config import Config
@@ -198,12 +199,16 @@ def _accumulation_choices(cfg: Config, dp: int):
     return [replace(cfg, zero_cache=replace(zc, accumulate_in_store=v)) for v in (False, True)]
 
 
-def _recompute_resolved(plan_fn, cfg: Config) -> Optional[SystemPlan]:
-    """With model.recompute 'auto': plan_fn's plan without recompute if that fits and is faster, else with
-    full recompute (None when recompute is set)."""
-    if cfg.model.recompute != "auto":
-        return None
-    return _pick([plan_fn(replace(cfg, model=replace(cfg.model, recompute=r))) for r in ("none", "full")])
+def _recompute_choice(plan_fn):
+    """Wraps a plan function: with model.recompute 'auto', its plan without recompute if that fits and
+    is faster, else with full recompute; otherwise its plan as configured."""
+    @wraps(plan_fn)
+    def planned(cfg: Config, *args, **kwargs) -> SystemPlan:
+        if cfg.model.recompute != "auto":
+            return plan_fn(cfg, *args, **kwargs)
+        return _pick([plan_fn(replace(cfg, model=replace(cfg.model, recompute=r)), *args, **kwargs)
+                      for r in ("none", "full")])
+    return planned
 
 
 def _pick(plans):
@@ -271,12 +276,10 @@ def rank_tier_bytes(cfg: Config, dp: int, dp_rank: int, rate: float, host_limit:
     return numels, tiers, need, offloaded, streamed
 
 
+@_recompute_choice
 def plan_zero_cache(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int = 1,
                     rate: Optional[float] = None, nvme: Optional[bool] = None) -> SystemPlan:
     """ZeRO-Cache on rank 0 of the first pipeline stage (the largest: it holds the embedding)."""
-    chosen = _recompute_resolved(lambda c: plan_zero_cache(c, hw, gpus_per_node, nodes, rate, nvme), cfg)
-    if chosen:
-        return chosen
     world, dp = _world(cfg, gpus_per_node, nodes)
     zc = cfg.zero_cache
     if rate is None:
@@ -368,12 +371,10 @@ def plan_zero_cache(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int
                    device_update_fraction=fraction if any(streamed) else 0.0)
 
 
+@_recompute_choice
 def auto_plan(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int = 1, nvme: bool = False) -> SystemPlan:
     """The largest prefetch_cache_sub_group_rate (in steps of 0.01) that fits; states on GPU are updated
     30x faster than on the CPU and cross no PCIe, so more on the GPU is faster while it fits."""
-    chosen = _recompute_resolved(lambda c: auto_plan(c, hw, gpus_per_node, nodes, nvme), cfg)
-    if chosen:
-        return chosen
     resolved = _resolve_auto(cfg, _world(cfg, gpus_per_node, nodes)[1],
                              lambda c: auto_plan(c, hw, gpus_per_node, nodes, nvme))
     if resolved:
@@ -387,11 +388,9 @@ def auto_plan(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int = 1, 
     return best if best.rate == 0.0 else plan_zero_cache(cfg, hw, gpus_per_node, nodes, rate=0.0, nvme=nvme)
 
 
+@_recompute_choice
 def plan_megatron(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int = 1) -> SystemPlan:
     """Megatron's distributed optimizer: bf16 weights, fp32 main grads, fp32 master + moments sharded over DP."""
-    chosen = _recompute_resolved(lambda c: plan_megatron(c, hw, gpus_per_node, nodes), cfg)
-    if chosen:
-        return chosen
     world, dp = _world(cfg, gpus_per_node, nodes)
     n = sum(p.numel for p in rank_params(cfg, 0))
     # without transformer-engine or apex Megatron steps with torch's foreach AdamW, whose temporaries
@@ -406,12 +405,10 @@ def plan_megatron(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int =
     return _finish("megatron", cfg, hw, gpus_per_node, world, gpu, host, 0, step)
 
 
+@_recompute_choice
 def plan_megatron_cpu_offload(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int = 1) -> SystemPlan:
     """Megatron's HybridDeviceOptimizer: offload_fraction of fp32 master, moments and an fp32 gradient copy
     in pinned host memory, updated by torch's CPU AdamW after backward (the transfers overlap it)."""
-    chosen = _recompute_resolved(lambda c: plan_megatron_cpu_offload(c, hw, gpus_per_node, nodes), cfg)
-    if chosen:
-        return chosen
     world, dp = _world(cfg, gpus_per_node, nodes)
     n = sum(p.numel for p in rank_params(cfg, 0))
     f = cfg.optim.offload_fraction
@@ -431,13 +428,11 @@ def plan_megatron_cpu_offload(cfg: Config, hw: Machine, gpus_per_node: int = 1, 
     return _finish("megatron_cpu_offload", cfg, hw, gpus_per_node, world, gpu, host, 0, step)
 
 
+@_recompute_choice
 def plan_zero3_offload(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int = 1) -> SystemPlan:
     """ZeRO-3 with parameter and optimizer offload to CPU: 16-bit weights and fp32 grads, master and
     moments on the host, weights fetched over PCIe for every forward and backward, the CPU update after
     backward, not overlapped."""
-    chosen = _recompute_resolved(lambda c: plan_zero3_offload(c, hw, gpus_per_node, nodes), cfg)
-    if chosen:
-        return chosen
     world, dp = _world(cfg, gpus_per_node, nodes)
     n = sum(p.numel for p in rank_params(cfg, 0))
     shard = -(-n // dp)
@@ -485,6 +480,17 @@ def this_machine(cfg: Config, gpu_total_bytes: int, gpus_per_node: int) -> Machi
                    nvme_gib=nvme_bytes(zc.nvme_path, zc.nvme_max_gib) * gpus_per_node / GIB)
 
 
+def _this_worker_node(cfg: Config, device):
+    """In a torchrun worker on CUDA: this node's figures (this_machine), GPUs per node, nodes."""
+    import os
+
+    import torch
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    nodes = max(1, int(os.environ.get("WORLD_SIZE", "1")) // local)
+    return this_machine(cfg, torch.cuda.mem_get_info(device)[1], local), local, nodes
+
+
 def resolve_recompute(cfg: Config, device) -> str:
     """model.recompute for this run: as configured, or with 'auto' the planner's choice for this GPU and
     this host (none on CPU, where full recompute cannot run)."""
@@ -492,13 +498,7 @@ def resolve_recompute(cfg: Config, device) -> str:
         return cfg.model.recompute
     if device.type != "cuda":
         return "none"
-    import os
-
-    import torch
-
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    nodes = max(1, int(os.environ.get("WORLD_SIZE", "1")) // local)
-    hw = this_machine(cfg, torch.cuda.mem_get_info(device)[1], local)
+    hw, local, nodes = _this_worker_node(cfg, device)
     return plan_for(cfg, hw, local, nodes).recompute
 
 
@@ -512,13 +512,7 @@ def auto_settings(cfg: Config, device, dp_size: int):
     if device.type != "cuda":
         frac = 0.0 if zc.device_update_fraction == "auto" else float(zc.device_update_fraction)
         return (1.0 if rate == "auto" else float(rate)), offload_params_on(cfg), frac, zc.accumulate_in_store is True
-    import os
-
-    import torch
-
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    nodes = max(1, int(os.environ.get("WORLD_SIZE", "1")) // local)
-    hw = this_machine(cfg, torch.cuda.mem_get_info(device)[1], local)
+    hw, local, nodes = _this_worker_node(cfg, device)
     nvme = bool(cfg.zero_cache.nvme_path)
     p = auto_plan(cfg, hw, local, nodes, nvme) if rate == "auto" else plan_zero_cache(cfg, hw, local, nodes,
                                                                                      float(rate), nvme)
