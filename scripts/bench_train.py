@@ -55,6 +55,7 @@ def predicted(size: str, overrides, machine_info: dict) -> dict:
 
     from angelgpt.config import resolve
     from angelgpt.planner.plan import GIB, MACHINES, plan_for
+    from angelgpt.zero_cache.placement import CHUNK
 
     try:
         cfg = resolve(size, None, list(overrides))
@@ -67,7 +68,8 @@ def predicted(size: str, overrides, machine_info: dict) -> dict:
     return {"system": p.system, "rate": p.rate, "gpu_gib": round(p.gpu_total / GIB, 2),
             "host_gib": round(p.host_total / GIB, 2), "step_time_s": p.step_time_s,
             "bottleneck": p.bottleneck, "fits": p.fits, "accumulate_in_store": p.accumulate_in_store,
-            "device_update_fraction": p.device_update_fraction}
+            "device_update_fraction": p.device_update_fraction, "recompute": p.recompute_label(),
+            "chunk_numel": CHUNK}
 
 
 def main() -> int:

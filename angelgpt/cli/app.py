@@ -165,7 +165,7 @@ def _check_plan(cfg, nproc_per_node: int, nnodes: int, force: bool) -> None:
     print(f"plan: {p.system} needs {p.gpu_total / GIB:.1f} GiB per GPU and {p.host_total / GIB:.1f} GiB of host "
           f"memory per node; predicted {p.step_time_s:.2f} s per step, bound by {p.bottleneck}"
           + (f"; rate {p.rate:.2f}" if p.rate is not None else "")
-          + (f"; recompute {p.recompute}" if cfg.model.recompute == "auto" else ""), flush=True)
+          + (f"; recompute {p.recompute_label()}" if cfg.model.recompute == "auto" else ""), flush=True)
     if not p.fits and not force:
         short = ", ".join(f"{k} by {-v / GIB:.1f} GiB" for k, v in p.margin.items() if v < 0)
         fail(f"the planner says this configuration does not fit ({p.system}: short of {short}); see "

@@ -69,9 +69,14 @@ class ModelConfig:
     init_method_std: float = 0.02
     """Standard deviation of the normal weight initialisation."""
     recompute: str = "none"
-    """Activation recompute: 'none', 'full' (every layer's activations are recomputed in backward), or
-    'auto': the planner's choice at launch, none where the activations fit and that is faster, else full
-    (on CPU: none)."""
+    """Activation recompute: 'none', 'full' (layers' activations are recomputed in backward, all of them
+    or the first recompute_num_layers), or 'auto': the planner's choice at launch, none where the
+    activations fit and that is faster, else full with as many layers keeping their activations as fit
+    and pay (on CPU: none)."""
+    recompute_num_layers: Optional[int] = None
+    """With recompute 'full': how many layers of each pipeline stage (the first ones) recompute their
+    activations in backward, Megatron's recompute_method 'block'; the others keep theirs. None: every
+    layer (recompute_method 'uniform', one layer at a time). With 'auto' the planner sets it."""
     transformer_impl: str = "auto"
     """'auto' (transformer-engine when it imports on GPU, else local), 'local' or 'transformer_engine'."""
 
@@ -98,6 +103,12 @@ class ModelConfig:
                  f"'{self.position_embedding_type}'")
         _require(self.recompute in ("none", "full", "auto"),
                  f"model.recompute must be 'none', 'full' or 'auto', got '{self.recompute}'")
+        if self.recompute_num_layers is not None:
+            _require(self.recompute != "none",
+                     "model.recompute_num_layers needs model.recompute 'full' (or 'auto'), got 'none'")
+            _require(0 < self.recompute_num_layers <= self.num_layers,
+                     f"model.recompute_num_layers must be in [1, num_layers={self.num_layers}], got "
+                     f"{self.recompute_num_layers}")
         _require(self.transformer_impl in ("auto", "local", "transformer_engine"),
                  f"model.transformer_impl must be 'auto', 'local' or 'transformer_engine', got "
                  f"'{self.transformer_impl}'")
@@ -388,6 +399,10 @@ class Config:
         _require(self.model.num_layers % pp == 0,
                  f"parallel.pipeline_model_parallel_size ({pp}) must divide model.num_layers "
                  f"({self.model.num_layers})")
+        k = self.model.recompute_num_layers
+        _require(k is None or k <= self.model.num_layers // pp,
+                 f"model.recompute_num_layers ({k}) counts layers per pipeline stage: at most "
+                 f"{self.model.num_layers // pp} with {pp} stages")
 
     @property
     def model_parallel_size(self) -> int:

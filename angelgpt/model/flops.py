@@ -59,6 +59,15 @@ def flops_per_iteration(cfg: Config, include_recompute: bool = False) -> int:
     layers = cfg.model.num_layers * layer_forward_flops_per_token(cfg)
     logits = 2 * cfg.model.hidden_size * cfg.padded_vocab_size()
     total = 3 * tokens * (layers + logits)
-    if include_recompute and cfg.model.recompute == "full":
-        total += tokens * layers
+    if include_recompute:
+        total += tokens * recomputed_layers(cfg) * layer_forward_flops_per_token(cfg)
     return total
+
+
+def recomputed_layers(cfg: Config) -> int:
+    """Layers (all pipeline stages together) whose forward runs again in backward."""
+    m = cfg.model
+    if m.recompute != "full":
+        return 0
+    pp = cfg.parallel.pipeline_model_parallel_size
+    return m.num_layers if m.recompute_num_layers is None else m.recompute_num_layers * pp

@@ -61,9 +61,10 @@ def transformer_config(cfg: Config, on_gpu: bool, perform_initialization: bool =
         masked_softmax_fusion=False,
         persist_layer_norm=False,
         apply_rope_fusion=False,
+        # every layer: one at a time ('uniform', 1); the first k of each stage: 'block', k
         recompute_granularity="full" if recompute else None,
-        recompute_method="uniform" if recompute else None,
-        recompute_num_layers=1 if recompute else None,
+        recompute_method=("uniform" if m.recompute_num_layers is None else "block") if recompute else None,
+        recompute_num_layers=(m.recompute_num_layers or 1) if recompute else None,
     )
 
 

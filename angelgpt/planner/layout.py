@@ -63,14 +63,14 @@ def rank_params(cfg: Config, pp_rank: int = 0) -> List[Param]:
 
 def chunk_numels(params: List[Param], dp_size: int, dp_rank: int) -> List[Tuple[int, int]]:
     """(sub-group position, size) of the chunks this DP rank owns, in the optimizer's order (sub-group,
-    decay before no-decay); positions count the sub-groups this pipeline stage has, from 0."""
-    from angelgpt.zero_cache.placement import partition
+    decay before no-decay, parameters packed up to placement.CHUNK); positions count the sub-groups this
+    pipeline stage has, from 0."""
+    from angelgpt.zero_cache.placement import chunk_runs, partition
 
     owners = partition([p.numel for p in params], dp_size)
     chunks = []
     for pos, g in enumerate(sorted({p.sub_group for p in params})):
         for decay in (True, False):
-            n = sum(p.numel for p, o in zip(params, owners) if p.sub_group == g and p.decay == decay and o == dp_rank)
-            if n:
-                chunks.append((pos, n))
+            mine = [p.numel for p, o in zip(params, owners) if p.sub_group == g and p.decay == decay and o == dp_rank]
+            chunks += [(pos, sum(mine[i] for i in run)) for run in chunk_runs(mine)]
     return chunks

@@ -8,8 +8,8 @@ Memory (bytes per rank):
   in flight (the sub-groups between their backward and their offload, at most a few layers), the
   device-tier chunks exactly as ZeRO-Cache allocates them (``placement.tier_bytes``), activations by
   Megatron's formula (Korthikanti et al., 2022: s*b*h*34 per layer without recompute with flash
-  attention, s*b*h*2 per layer plus one layer's full set with full recompute; logits in fp32), and a
-  fixed workspace.
+  attention, s*b*h*2 per recomputed layer plus one layer's full set while it recomputes; logits in
+  fp32), and a fixed workspace.
   Host: the host-tier chunks exactly as allocated, the two pinned upload buffers, and the process.
   NVMe: the NVMe-tier chunks.
 Time: compute at the machine's achieved dense rate (hardware FLOPs, recompute included); gradient
@@ -23,10 +23,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 from functools import wraps
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 from angelgpt.config import Config
-from angelgpt.model.flops import flops_per_iteration
+from angelgpt.model.flops import flops_per_iteration, recomputed_layers
 from angelgpt.planner.layout import chunk_numels, rank_params
 from angelgpt.zero_cache.placement import SLICE, STATES, place, prefetch_depth
 
@@ -87,13 +87,20 @@ def host_update_rates(hw: Machine, gpus_per_node: int):
 
 
 def activation_bytes(cfg: Config, recompute: Optional[bool] = None) -> int:
-    """Peak activation memory of one pipeline stage for one micro batch (bf16, no sequence parallel)."""
+    """Peak activation memory of one pipeline stage for one micro batch (bf16, no sequence parallel):
+    as configured, or with every layer recomputed (True) or none (False)."""
     m, tp = cfg.model, cfg.parallel.tensor_model_parallel_size
     s, b, h = m.seq_length, cfg.train.micro_batch_size, m.hidden_size
     layers = m.num_layers // cfg.parallel.pipeline_model_parallel_size
-    full_layer = s * b * h * (10 + 24 // tp) + s * b * m.ffn_hidden_size * 4 // tp  # flash attention: no s*s
-    recompute = (m.recompute == "full") if recompute is None else recompute
-    stored = layers * 2 * s * b * h + full_layer if recompute else layers * full_layer
+    # unsharded 10*sbh (norm and block inputs, dropout masks), attention's Q, K, V and output 8*sbh/tp
+    # (flash attention: no s*s), the MLP's two ffn-wide tensors: 34*sbh at tp 1 with ffn 4h (measured on
+    # the H200 without recompute: 33.5*sbh a layer, 7 layers of the 55 shape from micro batch 1 to 2)
+    full_layer = s * b * h * (10 * tp + 8) // tp + s * b * m.ffn_hidden_size * 4 // tp
+    recomputed = recomputed_layers(cfg) // cfg.parallel.pipeline_model_parallel_size if recompute is None \
+        else (layers if recompute else 0)
+    # the first `recomputed` layers keep their inputs; the rest keep everything, and are done with in
+    # backward before the first recomputed layer's full set comes back
+    stored = recomputed * 2 * s * b * h + max(layers - recomputed, 1 if recomputed else 0) * full_layer
     logits = s * b * cfg.padded_vocab_size() // tp * (MODEL_BYTES + 4 + 4)  # bf16 logits, fp32 copy and grad
     return stored + logits
 
@@ -145,9 +152,15 @@ class SystemPlan:
     accumulate_in_store: Optional[bool] = None  # zero_cache: do micro batches' gradients add up in the store
     device_update_fraction: Optional[float] = None  # zero_cache: of the host-resident states, updated on the GPU
     recompute: str = "none"  # model.recompute as planned ('auto' resolved)
+    recompute_num_layers: Optional[int] = None  # with 'full': the layers per stage that recompute (None: all)
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def recompute_label(self) -> str:
+        """'none', 'full', or 'full (first k layers per stage)'."""
+        k = self.recompute_num_layers
+        return self.recompute + (f" (first {k} layers per stage)" if self.recompute == "full" and k else "")
 
 
 def _capacity(hw: Machine, gpus_per_node: int):
@@ -174,7 +187,8 @@ def _finish(system, cfg, hw, gpus_per_node, world, gpu, host, nvme, step, rate=N
     flops = flops_per_iteration(cfg)
     return SystemPlan(system, gpu, host, nvme_total, gpu_total, host_total, all(v >= 0 for v in margin.values()),
                       margin, {k: round(v, 4) for k, v in step.items()}, round(total, 4), bottleneck, rate,
-                      round(flops / total / world / 1e12, 1), recompute=cfg.model.recompute)
+                      round(flops / total / world / 1e12, 1), recompute=cfg.model.recompute,
+                      recompute_num_layers=cfg.model.recompute_num_layers)
 
 
 def _compute_s(cfg: Config, hw: Machine, world: int) -> float:
@@ -182,10 +196,17 @@ def _compute_s(cfg: Config, hw: Machine, world: int) -> float:
 
 
 def offload_params_on(cfg: Config) -> bool:
-    """zero_cache.offload_params with 'auto' read as: on with full recompute (a layer's weights are then
-    needed only while it runs). plan_zero_cache refines 'auto' when micro batches accumulate in the store."""
+    """zero_cache.offload_params with 'auto' read as: on when every layer recomputes (a layer's weights
+    are then needed only while it runs; a layer that keeps its activations keeps its weights too).
+    plan_zero_cache refines 'auto' when micro batches accumulate in the store."""
     op = cfg.zero_cache.offload_params
-    return op if op != "auto" else cfg.model.recompute == "full"
+    return op if op != "auto" else recomputed_layers(cfg) == cfg.model.num_layers > 0
+
+
+def forward_share(cfg: Config) -> float:
+    """The forward's share of a micro batch's compute: a layer's backward costs two forwards, and a
+    recomputed layer runs its forward again."""
+    return 1.0 / (3.0 + recomputed_layers(cfg) / cfg.model.num_layers)
 
 
 def _accumulation_choices(cfg: Config, dp: int):
@@ -200,14 +221,27 @@ def _accumulation_choices(cfg: Config, dp: int):
 
 
 def _recompute_choice(plan_fn):
-    """Wraps a plan function: with model.recompute 'auto', its plan without recompute if that fits and
-    is faster, else with full recompute; otherwise its plan as configured."""
+    """Wraps a plan function: with model.recompute 'auto', the fastest plan that fits of: no recompute,
+    and full recompute of the first k layers per stage (the rest keep their activations), k from all
+    layers down while the plans fit (fewer recomputed layers need more memory); otherwise its plan as
+    configured. A layer kept saves its recompute on every micro batch but takes GPU memory that the
+    states or the weights would have had."""
     @wraps(plan_fn)
     def planned(cfg: Config, *args, **kwargs) -> SystemPlan:
         if cfg.model.recompute != "auto":
             return plan_fn(cfg, *args, **kwargs)
-        return _pick([plan_fn(replace(cfg, model=replace(cfg.model, recompute=r)), *args, **kwargs)
-                      for r in ("none", "full")])
+        m = cfg.model
+        plans = [plan_fn(replace(cfg, model=replace(m, recompute="none", recompute_num_layers=None)),
+                         *args, **kwargs)]
+        per_stage = m.num_layers // cfg.parallel.pipeline_model_parallel_size
+        for k in range(per_stage, 0, -1):
+            p = plan_fn(replace(cfg, model=replace(m, recompute="full",
+                                                   recompute_num_layers=None if k == per_stage else k)),
+                        *args, **kwargs)
+            if not p.fits and k < per_stage:
+                break
+            plans.append(p)
+        return _pick(plans)
     return planned
 
 
@@ -237,7 +271,7 @@ def _resident_first(cfg: Config, dp: int):
     (measured at 19 layers, 16 micro batches: 757 GB up per step, 245 model TFLOP/s offloaded against
     285 resident). None when 'auto' needs no refining."""
     zc = cfg.zero_cache
-    if zc.offload_params != "auto" or cfg.model.recompute != "full" or not (
+    if zc.offload_params != "auto" or not offload_params_on(cfg) or not (
             zc.accumulate_in_store is True and micro_batches(cfg, dp) > 1):
         return None
     return [replace(cfg, zero_cache=replace(zc, offload_params=v)) for v in (False, True)]
@@ -325,7 +359,7 @@ def plan_zero_cache(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int
     }
     mb = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
     compute = _compute_s(cfg, hw, world)
-    fwd_first = compute / mb / 4 if cfg.model.recompute == "full" else compute / mb / 3
+    fwd_first = compute / mb * forward_share(cfg)
     bwd_last = compute / mb - fwd_first
     host_numel = sum(n for n, t in zip(numels, tiers) if t == "host")
     nvme_numel = sum(n for n, t in zip(numels, tiers) if t == "nvme")
@@ -346,7 +380,7 @@ def plan_zero_cache(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int
     # per micro batch on PCIe: offloaded weights fetched (again in the recomputing backward) and, when
     # accumulating in the store, each host chunk's running sum up to the GPU and back down
     in_store = zc.accumulate_in_store is True and mb > 1
-    passes = 2 if cfg.model.recompute == "full" else 1
+    passes = 1 + recomputed_layers(cfg) / cfg.model.num_layers
     fetch_mb = passes * sum(offloaded) * MODEL_BYTES / (hw.pcie_gbs * 1e9)
     transfers = mb * max(0.0, fetch_mb - compute / mb)
     if in_store:  # after the first micro batch: a round trip per host sub-group, up and down at once
@@ -394,9 +428,12 @@ def plan_megatron(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int =
     world, dp = _world(cfg, gpus_per_node, nodes)
     n = sum(p.numel for p in rank_params(cfg, 0))
     # without transformer-engine or apex Megatron steps with torch's foreach AdamW, whose temporaries
-    # came to about 2 bytes per parameter on the H200 (7 layers of the 55 shape: 124.4 GiB peak)
+    # came to 4 bytes per parameter on the H200: 7 layers of the 55 shape peaked at 124.4 GiB allocated
+    # with micro batch 1, 2 and 4 alike (weights, main grads, states and these: 124.3). The step's
+    # temporaries and the activations are not live at once: the larger of the two counts.
+    activations = activation_bytes(cfg)
     gpu = {"weights": n * MODEL_BYTES, "main_grads": n * 4, "optimizer_states": -(-n * 12 // dp),
-           "optimizer_temporaries": -(-n * 2 // dp), "activations": activation_bytes(cfg),
+           "optimizer_temporaries": max(0, -(-n * 4 // dp) - activations), "activations": activations,
            "workspace": WORKSPACE + CUDA_CONTEXT}
     host = {"process": HOST_PROCESS}
     step = {"compute": _compute_s(cfg, hw, world),
@@ -441,7 +478,7 @@ def plan_zero3_offload(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: 
            "workspace": WORKSPACE + CUDA_CONTEXT}
     host = {"host_states": shard * (MODEL_BYTES + 4 + 4 * STATES), "process": HOST_PROCESS}
     mb = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
-    fetch = (3 if cfg.model.recompute == "full" else 2) * mb * n * MODEL_BYTES / (hw.pcie_gbs * 1e9)
+    fetch = (2 + recomputed_layers(cfg) / cfg.model.num_layers) * mb * n * MODEL_BYTES / (hw.pcie_gbs * 1e9)
     compute = _compute_s(cfg, hw, world)
     step = {"compute": compute,
             "pcie_h2d": max(0.0, fetch - compute),
@@ -491,15 +528,17 @@ def _this_worker_node(cfg: Config, device):
     return this_machine(cfg, torch.cuda.mem_get_info(device)[1], local), local, nodes
 
 
-def resolve_recompute(cfg: Config, device) -> str:
-    """model.recompute for this run: as configured, or with 'auto' the planner's choice for this GPU and
-    this host (none on CPU, where full recompute cannot run)."""
-    if cfg.model.recompute != "auto":
-        return cfg.model.recompute
+def resolve_recompute(cfg: Config, device) -> Tuple[str, Optional[int]]:
+    """(model.recompute, model.recompute_num_layers) for this run: as configured, or with 'auto' the
+    planner's choice for this GPU and this host (none on CPU, where full recompute cannot run)."""
+    m = cfg.model
+    if m.recompute != "auto":
+        return m.recompute, m.recompute_num_layers
     if device.type != "cuda":
-        return "none"
+        return "none", None
     hw, local, nodes = _this_worker_node(cfg, device)
-    return plan_for(cfg, hw, local, nodes).recompute
+    p = plan_for(cfg, hw, local, nodes)
+    return p.recompute, p.recompute_num_layers
 
 
 def auto_settings(cfg: Config, device, dp_size: int):

@@ -31,7 +31,7 @@ def render(cfg, hw: Machine, gpus_per_node: int, nodes: int, plans: Dict[str, Sy
              f"activations per micro batch: {activation_bytes(cfg, True) / GIB:.2f} GiB with full recompute, "
              f"{activation_bytes(cfg, False) / GIB:.2f} GiB without (model.recompute={m.recompute})"]
     for name, p in plans.items():
-        chosen = ([f"recompute {p.recompute}"] if m.recompute == "auto" else []) + (
+        chosen = ([f"recompute {p.recompute_label()}"] if m.recompute == "auto" else []) + (
             [f"prefetch_cache_sub_group_rate {p.rate:.2f}"] if p.rate is not None else []) + (
             [f"device_update_fraction {p.device_update_fraction:.2f}"] if p.device_update_fraction else []) + (
             ["accumulate_in_store"] if p.accumulate_in_store else [])

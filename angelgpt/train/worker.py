@@ -64,8 +64,10 @@ def _resolve_recompute(cfg, on_gpu: bool):
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     choice = [resolve_recompute(cfg, device) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(choice, src=0)
-    parallel.print_rank_0(f"model.recompute auto: {choice[0]}")
-    return replace(cfg, model=replace(cfg.model, recompute=choice[0]))
+    recompute, num_layers = choice[0]
+    parallel.print_rank_0(f"model.recompute auto: {recompute}"
+                          + (f", the first {num_layers} layers of each stage" if num_layers else ""))
+    return replace(cfg, model=replace(cfg.model, recompute=recompute, recompute_num_layers=num_layers))
 
 
 def run(cfg) -> float:

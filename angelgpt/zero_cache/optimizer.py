@@ -48,7 +48,7 @@ from angelgpt.config import Config, ConfigError
 from angelgpt.train.optim import _no_weight_decay, clip_coefficient
 from angelgpt.zero_cache.pipeline import Profile, Streams
 from angelgpt.zero_cache.placement import (ACCUMULATION_SLOTS, DEVICE_UPDATE_SLICE, SLICE, STATES,
-                                           accumulation_bytes, device_update_bytes, largest_off_device_group,
+                                           accumulation_bytes, chunk_runs, device_update_bytes, largest_off_device_group,
                                            partition, place, slices)
 from angelgpt.zero_cache.tiers import (GIB, DeviceTier, HostTier, NVMeTier, available_bytes, check_capacity,
                                        check_memlock)
@@ -167,11 +167,11 @@ class ZeroCacheOptimizer:
         for gi, group in enumerate(self.sub_groups):
             for is_decay in (True, False):
                 mine = [p for p in group if decay[id(p)] == is_decay and self.owner[id(p)] == self.dp_rank]
-                if mine:
-                    c = Chunk(key=f"g{gi:04d}_{'decay' if is_decay else 'nodecay'}", group=gi, params=mine,
-                              decay=is_decay)
+                for part, run in enumerate(chunk_runs([p.numel() for p in mine])):
+                    c = Chunk(key=f"g{gi:04d}_{'decay' if is_decay else 'nodecay'}_{part}", group=gi,
+                              params=[mine[i] for i in run], decay=is_decay)
                     off = 0
-                    for p in mine:
+                    for p in c.params:
                         c.offsets.append(off)
                         c.shapes.append(p.shape)
                         off += p.numel()
@@ -739,10 +739,12 @@ class ZeroCacheOptimizer:
             c.step += 1
             for lo, hi in slices(c.numel):
                 grad = self.scratch["host"][:hi - lo]
-                grad.copy_(c.grad[lo:hi])  # before an offloaded layer's new weights overwrite the buffer
                 t1 = time.perf_counter()
+                grad.copy_(c.grad[lo:hi])  # before an offloaded layer's new weights overwrite the buffer
+                t2 = time.perf_counter()
                 self._adamw(c, states[:, lo:hi], grad, hyper, coef)
-                self.profile.busy("cpu_optimizer", time.perf_counter() - t1)
+                self.profile.busy("cpu_copy", t2 - t1)
+                self.profile.busy("cpu_optimizer", time.perf_counter() - t2)
                 if c.weights is not None:
                     c.weights[lo:hi].copy_(states[0, lo:hi])  # fetched from here before the layer next runs
                 else:
@@ -832,14 +834,17 @@ class ZeroCacheOptimizer:
         if self._upload_done[slot] is not None:
             self._upload_done[slot].synchronize()  # the buffer's previous upload has left it
         staging = self._upload[slot][:hi - lo]
+        t1 = time.perf_counter()
         staging.copy_(master[lo:hi])
-        t0 = self.profile.start("h2d", self.streams.h2d)
-        with torch.cuda.stream(self.streams.h2d):
-            self.streams.h2d.wait_event(after_backward)  # backward has finished reading the old weights
+        self.profile.busy("cpu_copy", time.perf_counter() - t1)
+        upload = self.streams.upload
+        t0 = self.profile.start("h2d", upload)
+        with torch.cuda.stream(upload):
+            upload.wait_event(after_backward)  # backward has finished reading the old weights
             for p, a, b, sa, sb in self._param_ranges(c, lo, hi):
                 p.data.view(-1)[a:b].copy_(staging[sa - lo:sb - lo], non_blocking=True)
-            done = self.streams.h2d.record_event()
-        self.profile.stop("h2d", t0, self.streams.h2d)
+            done = upload.record_event()
+        self.profile.stop("h2d", t0, upload)
         self.profile.add_bytes("h2d", (hi - lo) * staging.element_size())
         self._upload_done[slot] = done
         return done

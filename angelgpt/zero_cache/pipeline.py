@@ -1,7 +1,9 @@
 """CUDA streams of the ZeRO-Cache pipeline and its per-iteration time profile.
 
-Streams: gradients leave the GPU on ``d2h``, updated weights come back on ``h2d``; collectives run
-on NCCL's own stream. On CPU there are no streams and every copy is synchronous.
+Streams: gradients leave the GPU on ``d2h``; fetched weights, running sums and the states the device
+updates come up on ``h2d``; the weights the CPU updated come up on ``upload``, so that they do not queue
+behind the device update's states; collectives run on NCCL's own stream. On CPU there are no streams
+and every copy is synchronous.
 
 Profile (``zero_cache.is_communication_time_profiling``): per iteration, the busy time of each
 transfer and of the optimizer (CUDA events on their streams, wall time on the update thread), and
@@ -25,11 +27,12 @@ class Streams:
         self.cuda = device.type == "cuda"
         self.d2h = torch.cuda.Stream(device) if self.cuda else None
         self.h2d = torch.cuda.Stream(device) if self.cuda else None
+        self.upload = torch.cuda.Stream(device) if self.cuda else None
 
 
 class Profile:
     BUSY = ("reduce_scatter", "all_gather", "d2h", "h2d", "fetch", "nvme", "accumulate", "cpu_optimizer",
-            "update_thread", "device_update", "device_update_thread")
+            "cpu_copy", "update_thread", "device_update", "device_update_thread")
     EXPOSED = ("wait_update", "wait_fetch", "wait_slot", "step")
 
     def __init__(self, device: torch.device, enabled: bool):

@@ -4,13 +4,17 @@ planner (`angelgpt plan`) computes exactly what the optimizer allocates without 
 from __future__ import annotations
 
 import os
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 STATES = 3  # fp32 master weights, exp_avg, exp_avg_sq
 # elements updated at a time: the fp32 gradient scratch and the upload buffers hold one slice
 SLICE = int(os.environ.get("ANGELGPT_ZERO_CACHE_SLICE", 1 << 26))
 # elements a device update buffer holds (two of them: host chunks updated on the device stream through them)
 DEVICE_UPDATE_SLICE = min(SLICE, 1 << 25)
+# most elements of one chunk: a sub-group's parameters of one weight-decay class go into chunks of
+# whole parameters up to this size (a larger parameter is a chunk alone), so that placement can split a
+# layer between the device and the host (a layer of the 55 shape: three chunks of 2**28)
+CHUNK = int(os.environ.get("ANGELGPT_ZERO_CACHE_CHUNK", 1 << 28))
 # device slots that host chunks' running sums make their round trips through (accumulate_in_store): one
 # more than two lets a slot's trip home overlap the next layer's backward
 ACCUMULATION_SLOTS = 3
@@ -19,6 +23,21 @@ ACCUMULATION_SLOTS = 3
 def slices(numel: int, size: int = SLICE):
     """[lo, hi) ranges of at most `size` elements covering a chunk."""
     return [(lo, min(numel, lo + size)) for lo in range(0, numel, size)]
+
+
+def chunk_runs(numels: List[int], cap: Optional[int] = None) -> List[List[int]]:
+    """Indices of consecutive parameters packed into chunks of at most `cap` (default CHUNK) elements."""
+    cap = CHUNK if cap is None else cap
+    runs: List[List[int]] = []
+    size = 0
+    for i, n in enumerate(numels):
+        if runs and size + n <= cap:
+            runs[-1].append(i)
+            size += n
+        else:
+            runs.append([i])
+            size = n
+    return runs
 
 
 def partition(numels: List[int], ranks: int) -> List[int]:

@@ -135,6 +135,28 @@ def test_host_chunks_updated_on_the_device_equal_torch_adamw(tmp_path, monkeypat
             assert r["allocated"][tier] == predicted[tier], (tier, r["allocated"], predicted)
 
 
+def test_a_layer_split_between_device_and_host_equals_torch_adamw(tmp_path, monkeypatch):
+    """Chunks smaller than a layer (here 16384 elements: a tiny layer's attention weights, its FC1 and
+    its FC2 are a chunk each), so the placement puts part of a layer on the device and the rest on the
+    host; with gradients accumulated in the store and half the host chunks updated on the device, the
+    updates still equal torch AdamW and the planner predicts the bytes of each tier."""
+    overrides = ["zero_cache.prefetch_cache_sub_group_rate=0.5", "zero_cache.accumulate_in_store=true",
+                 "zero_cache.device_update_fraction=0.5", "zero_cache.offload_params=true"]
+    ranks = adamw_check(tmp_path, 1, *overrides,
+                        env_extra={"ANGELGPT_ZERO_CACHE_CHUNK": "16384", "ANGELGPT_CHECK_MICROBATCHES": "2"})
+    r = ranks[0]
+    assert r["first_update_max_rel_err"] < 1e-6, r
+    assert r["three_updates_rel_err"] < 1e-6, r
+    assert r["chunks_per_group"] >= 4 and r["split_groups"], r  # three weight chunks and the biases
+    assert not set(r["split_groups"]) & set(r["offloaded_layers"]), r  # a layer partly on the device keeps its weights
+    monkeypatch.setattr(placement, "CHUNK", 16384)
+    cfg = resolve("tiny", overrides=["optim.optimizer=zero_cache", "train.micro_batch_size=2",
+                                     "train.global_batch_size=4", *overrides])
+    predicted = rank_tier_bytes(cfg, 1, 0, 0.5, 1 << 50, False, grad_bytes=4, fraction=0.5)[2]
+    for tier in ("device", "host"):
+        assert r["allocated"][tier] == predicted[tier], (tier, r["allocated"], predicted)
+
+
 @pytest.mark.parametrize("dp", [1, 2])
 @pytest.mark.parametrize("nvme", [False, True], ids=["no-nvme", "nvme"])
 def test_offloaded_weights_update_equals_torch_adamw(tmp_path, dp, nvme):

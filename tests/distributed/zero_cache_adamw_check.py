@@ -137,6 +137,8 @@ def main():
               "eval_peak_live_params": eval_peak, "checkpoint_views": in_place,
               "device_updated": sum(c.numel for c in opt.chunks if c.device_update),
               "host_numel": sum(c.numel for c in opt.chunks if c.tier == "host"),
+              "split_groups": [gi for gi, cs in enumerate(opt.chunks_of) if len({c.tier for c in cs}) > 1],
+              "chunks_per_group": max(len(cs) for cs in opt.chunks_of),
               "layer_params": [opt.layouts[gi][1] * opt.dp_size for gi in offloaded]}
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, result)

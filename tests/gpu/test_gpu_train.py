@@ -44,3 +44,25 @@ def test_zero_cache_checkpoint_resumes_on_gpu(tmp_path, multi_slice):
     by_iter = {r["iteration"]: r["lm_loss"] for r in full}
     for r in resumed:
         assert abs(r["lm_loss"] - by_iter[r["iteration"]]) <= 1e-2 * abs(by_iter[r["iteration"]]), r
+
+
+def test_recomputing_some_layers_trains_as_recomputing_none(tmp_path):
+    """Megatron's 'block' recompute of the first layer of two (model.recompute_num_layers=1) with
+    ZeRO-Cache: recompute repeats the same forward, so the losses follow the run that keeps every
+    activation; 'auto' on a GPU with room to spare keeps every activation."""
+    from tests.conftest import read_metrics, run_cli
+
+    losses = {}
+    for name, extra in (("none", ["model.recompute=none"]),
+                        ("block", ["model.recompute=full", "model.recompute_num_layers=1"]),
+                        ("auto", ["model.recompute=auto"])):
+        metrics = tmp_path / f"{name}.jsonl"
+        proc = run_cli("train", "--size", "tiny", "--device", "cuda", "--metrics-file", metrics,
+                       "logging.log_interval=1", "train.train_iters=6", "optim.optimizer=zero_cache",
+                       "zero_cache.prefetch_cache_sub_group_rate=0.5", *extra)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        losses[name] = [r["lm_loss"] for r in read_metrics(metrics)]
+        if name == "auto":
+            assert "model.recompute auto: none" in proc.stdout, proc.stdout[-2000:]
+    assert losses["block"] == pytest.approx(losses["none"], rel=2e-2), losses
+    assert losses["auto"] == pytest.approx(losses["none"], rel=2e-2), losses

@@ -35,6 +35,10 @@ def test_derived_fields():
     (["optim.optimizer=sgd"], "optim.optimizer"),
     (["train.device=tpu"], "train.device"),
     (["num_layers=true"], "model.num_layers"),
+    (["model.recompute_num_layers=1"], "needs model.recompute 'full'"),
+    (["model.recompute=full", "model.recompute_num_layers=3"], r"recompute_num_layers must be in \[1, num_layers=2\]"),
+    (["model.recompute=full", "model.recompute_num_layers=2", "parallel.pipeline_model_parallel_size=2"],
+     "at most 1 with 2 stages"),
 ])
 def test_section_checks(overrides, needle):
     with pytest.raises(ConfigError, match=needle):

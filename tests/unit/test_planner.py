@@ -8,7 +8,10 @@ from dataclasses import replace
 import pytest
 
 from angelgpt.config import resolve
-from angelgpt.planner.plan import GIB, MACHINES, auto_plan, plan_for
+from angelgpt.model.flops import flops_per_iteration
+from angelgpt.planner.layout import chunk_numels, rank_params
+from angelgpt.planner.plan import GIB, MACHINES, activation_bytes, auto_plan, offload_params_on, plan_for
+from angelgpt.zero_cache import placement
 from tests.conftest import ROOT, run_cli
 from tests.unit.test_cli_errors import check_one_line_error
 
@@ -24,6 +27,9 @@ def _config(result: dict):
     if not any(w.startswith("zero_cache.accumulate_in_store=") for w in overrides):
         chosen = result.get("predicted", {}).get("accumulate_in_store")
         overrides.append(f"zero_cache.accumulate_in_store={'true' if chosen else 'false'}")
+    rate = result.get("predicted", {}).get("rate")
+    if "zero_cache.prefetch_cache_sub_group_rate=auto" in overrides and rate is not None:
+        overrides.append(f"zero_cache.prefetch_cache_sub_group_rate={rate}")  # the placement it ran with
     return resolve(size, overrides=overrides)
 
 
@@ -44,9 +50,11 @@ def _completed():
 
 
 @pytest.mark.parametrize("result", _completed())
-def test_prediction_matches_the_h200_measurement(result):
-    """Peak GPU and host memory within 10%, step time within 20%, of what the H200 measured."""
+def test_prediction_matches_the_h200_measurement(result, monkeypatch):
+    """Peak GPU and host memory within 10%, step time within 20%, of what the H200 measured (planned
+    with the chunk size the run had: one chunk per layer before results recorded it)."""
     assert "H200" in result["machine"]["gpu"]
+    monkeypatch.setattr(placement, "CHUNK", result.get("predicted", {}).get("chunk_numel", 1 << 62))
     p = plan_for(_config(result), MACHINES["h200"])
     measured_step = result["elapsed_ms_median"] / 1000
     assert abs(p.gpu_total / GIB - result["peak_gpu_gib"]) <= 0.10 * result["peak_gpu_gib"], p.gpu_bytes
@@ -212,3 +220,37 @@ def test_recompute_auto_keeps_activations_where_they_fit_and_recomputes_where_th
     assert p.fits and p.recompute == "full", p
     big = cfg(19, "zero_cache")
     assert not plan_for(replace(big, model=replace(big.model, recompute="none")), MACHINES["h200"]).fits
+
+
+def test_recompute_auto_keeps_the_activations_of_the_last_layers_that_fit():
+    """At 19 layers of the 55 shape (micro batch 2, global batch 32) on one H200 the host still has room
+    for part of a layer's states: 'auto' recomputes only the first k layers (Megatron's 'block'), the
+    GPU memory the other layers' activations take coming from states moved to the host, and plans a
+    faster step than recomputing all 19 (each kept layer saves a forward on every micro batch)."""
+    def cfg(recompute, k=None):
+        return resolve("h200-16b", overrides=["model.num_layers=19", f"model.recompute={recompute}",
+                                              "train.micro_batch_size=2", "train.global_batch_size=32",
+                                              "zero_cache.accumulate_in_store=true"]
+                       + ([f"model.recompute_num_layers={k}"] if k else []))
+
+    auto, full = plan_for(cfg("auto"), MACHINES["h200"]), plan_for(cfg("full"), MACHINES["h200"])
+    assert auto.fits and auto.recompute == "full" and 0 < auto.recompute_num_layers < 19, auto
+    assert auto.step_time_s < full.step_time_s and auto.rate < full.rate, (auto, full)
+    assert auto.recompute_label() == f"full (first {auto.recompute_num_layers} layers per stage)"
+    # one layer fewer recomputed: more activations, and no longer a fit
+    fewer = plan_for(cfg("full", auto.recompute_num_layers - 1), MACHINES["h200"])
+    assert fewer.gpu_bytes["activations"] > auto.gpu_bytes["activations"] and not fewer.fits, fewer
+    # the last layer keeps its activations for free (one layer's full set is live while recomputing anyway)
+    assert activation_bytes(cfg("full", 18)) < activation_bytes(cfg("full")) < activation_bytes(cfg("full", 17))
+    assert flops_per_iteration(cfg("full", 10), include_recompute=True) < flops_per_iteration(
+        cfg("full"), include_recompute=True)
+    # a layer that keeps its activations keeps its weights: 'auto' offloads weights only when all recompute
+    assert not offload_params_on(cfg("full", 18)) and offload_params_on(cfg("full"))
+
+
+def test_a_layer_of_the_55_shape_is_three_chunks():
+    """Weights packed into chunks of at most 2**28 elements: attention (QKV and projection), FC1, FC2,
+    then the biases and norms; the placement can put part of a layer on the device."""
+    cfg = resolve("h200-16b", overrides=["model.num_layers=2"])
+    layer = [n for g, n in chunk_numels(rank_params(cfg), 1, 0) if g == 1]
+    assert layer[:3] == [1 << 28] * 3 and len(layer) == 4 and layer[3] < 1 << 20, layer
