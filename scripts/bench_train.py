@@ -118,6 +118,7 @@ def main() -> int:
             tokens_per_s_median=statistics.median(r["tokens_per_s"] for r in steady),
             elapsed_ms_median=statistics.median(r["elapsed_ms"] for r in steady),
             peak_gpu_gib=max(r["mem_gpu_gib"] for r in records),
+            peak_gpu_reserved_gib=max(r.get("mem_gpu_reserved_gib", 0.0) for r in records),
             peak_host_gib=max(r["mem_host_gib"] for r in records),
         )
         if args.goal_tflops:

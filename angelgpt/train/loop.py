@@ -219,6 +219,7 @@ class Trainer:
                     "tokens_per_s": tokens_per_iter / elapsed,
                     "tflops_per_gpu": flops / elapsed / world / 1e12,
                     "mem_gpu_gib": gpu_memory_gib(),
+                    "mem_gpu_reserved_gib": gpu_memory_gib(reserved=True),
                     "mem_host_gib": host_memory_gib(),
                     "consumed_samples": self.consumed,
                     **self._optimizer_profile(),

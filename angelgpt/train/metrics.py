@@ -17,8 +17,11 @@ def host_memory_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB
 
 
-def gpu_memory_gib() -> float:
-    return torch.cuda.max_memory_allocated() / GIB if torch.cuda.is_available() and torch.cuda.is_initialized() else 0.0
+def gpu_memory_gib(reserved: bool = False) -> float:
+    """Peak GPU memory allocated by tensors, or reserved by the caching allocator (what the device lost)."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return 0.0
+    return (torch.cuda.max_memory_reserved() if reserved else torch.cuda.max_memory_allocated()) / GIB
 
 
 class MetricsWriter:
