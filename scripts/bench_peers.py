@@ -64,6 +64,9 @@ def run(args) -> int:
         recompute = [kv.split("=", 1)[1] for kv in case_extra if kv.startswith("model.recompute=")]
         if recompute:  # the preset recomputes every layer; another choice is another case
             name += f"-recompute{recompute[-1]}"
+        rate = [kv.split("=", 1)[1] for kv in case_extra if kv.startswith("zero_cache.prefetch_cache_sub_group_rate=")]
+        if rate:  # a placement forced instead of the planner's
+            name += f"-rate{rate[-1]}"
         if (RESULTS / f"{name}.json").exists() and not args.force:
             print(f"{name}: result exists, skipped", flush=True)
             continue

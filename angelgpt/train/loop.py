@@ -16,7 +16,7 @@ from angelgpt.data.dataset import micro_batches
 from angelgpt.model.flops import flops_per_iteration
 from angelgpt.parallel import print_rank_0
 from angelgpt.train import checkpoint
-from angelgpt.train.metrics import MetricsWriter, gpu_memory_gib, host_memory_gib
+from angelgpt.train.metrics import MetricsWriter, gpu_alloc_retries, gpu_memory_gib, host_memory_gib
 
 
 class TrainingAborted(RuntimeError):
@@ -220,6 +220,7 @@ class Trainer:
                     "tflops_per_gpu": flops / elapsed / world / 1e12,
                     "mem_gpu_gib": gpu_memory_gib(),
                     "mem_gpu_reserved_gib": gpu_memory_gib(reserved=True),
+                    "gpu_alloc_retries": gpu_alloc_retries(),
                     "mem_host_gib": host_memory_gib(),
                     "consumed_samples": self.consumed,
                     **self._optimizer_profile(),

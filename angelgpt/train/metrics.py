@@ -24,6 +24,14 @@ def gpu_memory_gib(reserved: bool = False) -> float:
     return (torch.cuda.max_memory_reserved() if reserved else torch.cuda.max_memory_allocated()) / GIB
 
 
+def gpu_alloc_retries() -> int:
+    """Times the caching allocator found no free block, freed its cache and retried (each one
+    synchronizes the device): nonzero when a run sits at the edge of GPU memory."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return 0
+    return int(torch.cuda.memory_stats().get("num_alloc_retries", 0))
+
+
 class MetricsWriter:
     """Writes on the rank that owns the loss (the last pipeline stage's first TP/DP rank)."""
 
