@@ -413,13 +413,36 @@ def auto_plan(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int = 1, 
                              lambda c: auto_plan(c, hw, gpus_per_node, nodes, nvme))
     if resolved:
         return resolved
-    best = None
-    for i in range(100, -1, -1):
-        p = plan_zero_cache(cfg, hw, gpus_per_node, nodes, rate=i / 100, nvme=nvme)
-        best = best or p
+    plans = [plan_zero_cache(cfg, hw, gpus_per_node, nodes, rate=i / 100, nvme=nvme) for i in range(100, -1, -1)]
+    room = stream_held_bytes(cfg, _world(cfg, gpus_per_node, nodes)[1])
+    for p in plans:  # leave the transfer streams their room where some rate does, else just fit
+        if p.fits and p.margin["gpu"] >= room:
+            return p
+    for p in plans:
         if p.fits:
             return p
-    return best if best.rate == 0.0 else plan_zero_cache(cfg, hw, gpus_per_node, nodes, rate=0.0, nvme=nvme)
+    return plans[-1]
+
+
+# Accumulating in the store, the GPU memory that gradients on their way to the host hold after autograd
+# has let them go (the transfer streams still read them), which the caching allocator cannot hand out
+# again meanwhile: measured on the H200 at 11 layers of the 55 shape, 32 micro batches, memory reserved
+# ran 18.3 GiB over memory allocated; the placement planned at 125.5 GiB ran with no allocator retries
+# (6.95 s a step), the next one the chunks allow, 129.0 GiB, with 24 a step (each frees the cache and
+# synchronizes the device), 7.3 s. Counted in layers' gradients: six.
+STREAM_HELD_LAYERS = 6
+
+
+def stream_held_bytes(cfg: Config, dp: int) -> int:
+    """GPU memory 'auto' rates leave free beyond the plan where they can (0 unless accumulating in the
+    store): STREAM_HELD_LAYERS of the largest layer's gradients."""
+    if not (cfg.zero_cache.accumulate_in_store is True and micro_batches(cfg, dp) > 1):
+        return 0
+    sizes: Dict[int, int] = {}
+    for p in rank_params(cfg, 0):
+        sizes[p.sub_group] = sizes.get(p.sub_group, 0) + p.numel
+    layers = [n for g, n in sizes.items() if 0 < g <= cfg.model.num_layers]
+    return STREAM_HELD_LAYERS * max(layers, default=0) * MODEL_BYTES
 
 
 @_recompute_choice
@@ -537,6 +560,9 @@ def resolve_recompute(cfg: Config, device) -> Tuple[str, Optional[int]]:
     if device.type != "cuda":
         return "none", None
     hw, local, nodes = _this_worker_node(cfg, device)
+    # decided before the model is built: the rate, decided after it, sees the host memory the process
+    # has grown by since, so the choice here must fit without it
+    hw = replace(hw, host_mem_gib=hw.host_mem_gib - HOST_PROCESS * local / GIB)
     p = plan_for(cfg, hw, local, nodes)
     return p.recompute, p.recompute_num_layers
 
