@@ -104,7 +104,7 @@ def load_results():
     return out
 
 
-NOTABLE = ("model.recompute", "optim.offload_fraction", "zero_cache.accumulate_in_store",
+NOTABLE = ("model.recompute", "zero_cache.prefetch_cache_sub_group_rate", "optim.offload_fraction", "zero_cache.accumulate_in_store",
            "zero_cache.offload_params", "zero_cache.device_update_fraction", "zero_cache.nvme_path")
 
 
@@ -230,12 +230,29 @@ def report(args) -> int:
               "- Recompute: every system may pick its micro batch and `model.recompute` (the preset recomputes "
               "every layer). Where GPU memory allows, no recompute is faster for all of them: at 7 layers (a) "
               "made 545.1 TFLOP/s (micro batch 2; 446.1 with recompute) and (d) 584.4; at 11 layers (b) made "
-              "458.6 (micro batch 1, offload fraction 0.5; 388.4 with recompute) and (d) 533.9. The speed "
-              "ratios take each system's fastest run at a size. (d)/(b) at 11 layers misses 1.2x: it would "
-              "need 550 TFLOP/s, a 6.75 s step; the profile shows 0.41 s of the 6.96 s step waiting for the "
-              "host update (22% of the states are on the host at rate 0.78; the planner's device estimate "
-              "there was 128.2 GiB, the run peaked at 119.3 GiB allocated). At (d)'s largest sizes the "
-              "activations only fit with recompute, so against (a)'s 545.1 the 19-layer run (393.6) is 0.72x.",
+              "458.6 (micro batch 1, offload fraction 0.5; 388.4 with recompute) and (d) 534.9. The speed "
+              "ratios take each system's fastest run at a size.",
+              "- (d)/(b) at 11 layers misses 1.2x: it would need 550 TFLOP/s, a 6.75 s step. The profile shows "
+              "0.32-0.49 s of the 6.95 s step waiting for the host update: the update starts once backward has "
+              "given the global norm (clipping needs it) and has 1.9-2.7B host-resident parameters to update, "
+              "while the next micro batch reaches the host layers about 60 ms into its forward. Moving more "
+              "states to the GPU does not help: with chunks of a third of a layer the placement could use "
+              "the GPU up to the plan (rates 0.78 and 0.81: 122.8 and 126.3 GiB allocated, 1.9-2.1B host "
+              "parameters), but the caching allocator then reserved 138.1 GiB and retried allocations 24 "
+              "times a step (each retry frees its cache and synchronizes the device): 506.9 and 476.6 "
+              "TFLOP/s. The fastest placement is rate 0.74 (119.3 GiB allocated, 137.6 reserved, no retries, "
+              "534.9); rate 0.70 (gradients accumulated on the GPU instead, which the planner chose there) "
+              "made 527.5. The planner's `auto` rate now leaves room for the gradients that the transfer "
+              "streams still hold (six layers' gradients when accumulating in the store) and picks 0.75, "
+              "the same placement as 0.74.",
+              "- (d) at its largest sizes: the activations fit only with recompute. With "
+              "`model.recompute=auto` the planner keeps the last 5 of 19 layers' activations (Megatron's "
+              "`block` recompute of the first 14), paying for them with states moved to the host (rate "
+              "0.42): 395.7 TFLOP/s against 385.2 recomputing every layer with the same code (rate 0.44) and "
+              "393.6 at commit ef6f814 (rate 0.46, one chunk per layer), so 0.73x of (a)'s 545.1 (goal "
+              "0.75x). The planner expected 14.4 s, the run took 15.9 s: the layers that keep their "
+              "activations are the host-resident ones, whose shorter backward now leaves less time for their "
+              "gradients' round trips over PCIe, and the wait for the host update stays about 2.0 s.",
               "- (e) ZeRO-Cache with the NVMe tier: 24 layers (19.76B) at rate 0.40 (`auto`) completed 3 "
               "steps at global batch 2: 63 GiB of states on the disk, 114.6 GiB host and 122.1 GiB GPU at "
               "peak, 67.6 s per step, 7.3 TFLOP/s. The step is the NVMe tier's: 135.3 GB read and written per "
