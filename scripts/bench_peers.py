@@ -244,7 +244,9 @@ def report(args) -> int:
               "534.9); rate 0.70 (gradients accumulated on the GPU instead, which the planner chose there) "
               "made 527.5. The planner's `auto` rate now leaves room for the gradients that the transfer "
               "streams still hold (six layers' gradients when accumulating in the store) and picks 0.75, "
-              "the same placement as 0.74.",
+              "the same placement as 0.74: run again on another machine of the same kind, no retries, "
+              "524.9 TFLOP/s (its CPU updated the same states in 0.68-0.76 s where the 0.74 run's took "
+              "0.57-0.63 s; machine to machine the host update varies this much).",
               "- (d) at its largest sizes: the activations fit only with recompute. With "
               "`model.recompute=auto` the planner keeps the last 5 of 19 layers' activations (Megatron's "
               "`block` recompute of the first 14), paying for them with states moved to the host (rate "
