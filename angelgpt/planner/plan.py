@@ -332,10 +332,7 @@ def plan_zero_cache(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int
     fraction = device_update_fraction(cfg, hw, gpus_per_node)
     numels, tiers, tb, offloaded, streamed = rank_tier_bytes(cfg, dp, 0, float(rate), host_limit, use_nvme,
                                                              fraction=fraction)
-    group_sizes = {}
-    for p in params:
-        group_sizes[p.sub_group] = group_sizes.get(p.sub_group, 0) + p.numel
-    largest_layer = max(group_sizes.values())  # the largest sub-group, all of it (as the optimizer counts)
+    largest_layer = max(sub_group_numels(params).values())  # the largest sub-group, all of it (as the optimizer counts)
     off_device = [n for n, t in zip(numels, tiers) if t != "device"]
     resident = model_numel - sum(offloaded) * dp
     gpu = {
@@ -413,15 +410,17 @@ def auto_plan(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int = 1, 
                              lambda c: auto_plan(c, hw, gpus_per_node, nodes, nvme))
     if resolved:
         return resolved
-    plans = [plan_zero_cache(cfg, hw, gpus_per_node, nodes, rate=i / 100, nvme=nvme) for i in range(100, -1, -1)]
     room = stream_held_bytes(cfg, _world(cfg, gpus_per_node, nodes)[1])
-    for p in plans:  # leave the transfer streams their room where some rate does, else just fit
+    fitting = None  # the largest rate that fits, taken when no rate leaves the transfer streams their room
+    for i in range(100, -1, -1):
+        p = plan_zero_cache(cfg, hw, gpus_per_node, nodes, rate=i / 100, nvme=nvme)
         if p.fits and p.margin["gpu"] >= room:
             return p
-    for p in plans:
         if p.fits:
-            return p
-    return plans[-1]
+            fitting = fitting or p
+        elif fitting:  # below the rates that fit: lower ones only move more states off the device
+            break
+    return fitting or p
 
 
 # Accumulating in the store, the GPU memory that gradients on their way to the host hold after autograd
@@ -438,11 +437,16 @@ def stream_held_bytes(cfg: Config, dp: int) -> int:
     store): STREAM_HELD_LAYERS of the largest layer's gradients."""
     if not (cfg.zero_cache.accumulate_in_store is True and micro_batches(cfg, dp) > 1):
         return 0
-    sizes: Dict[int, int] = {}
-    for p in rank_params(cfg, 0):
-        sizes[p.sub_group] = sizes.get(p.sub_group, 0) + p.numel
-    layers = [n for g, n in sizes.items() if 0 < g <= cfg.model.num_layers]
+    layers = [n for g, n in sub_group_numels(rank_params(cfg, 0)).items() if 0 < g <= cfg.model.num_layers]
     return STREAM_HELD_LAYERS * max(layers, default=0) * MODEL_BYTES
+
+
+def sub_group_numels(params) -> Dict[int, int]:
+    """Elements of each sub-group (0 embedding, 1 + layer, num_layers + 1 the output) of these params."""
+    sizes: Dict[int, int] = {}
+    for p in params:
+        sizes[p.sub_group] = sizes.get(p.sub_group, 0) + p.numel
+    return sizes
 
 
 @_recompute_choice
