@@ -56,17 +56,21 @@ def parse_case(text: str):
     return parts[0], layers, mb, gb, extra
 
 
+CASE_KEYS = {"model.recompute": "recompute", "zero_cache.prefetch_cache_sub_group_rate": "rate",
+             "zero_cache.device_update_fraction": "devupdate", "zero_cache.cpu_adam": "cpuadam"}
+
+
 def run(args) -> int:
     failed = 0
     for text in args.cases:
         system, layers, mb, gb, case_extra = parse_case(text)
         name = f"peers-{system}-L{layers}-mb{mb}-gb{gb}"
-        recompute = [kv.split("=", 1)[1] for kv in case_extra if kv.startswith("model.recompute=")]
-        if recompute:  # the preset recomputes every layer; another choice is another case
-            name += f"-recompute{recompute[-1]}"
-        rate = [kv.split("=", 1)[1] for kv in case_extra if kv.startswith("zero_cache.prefetch_cache_sub_group_rate=")]
-        if rate:  # a placement forced instead of the planner's
-            name += f"-rate{rate[-1]}"
+        # the preset recomputes every layer, and the planner places the states and splits the host update:
+        # another choice is another case
+        for key, label in CASE_KEYS.items():
+            values = [kv.split("=", 1)[1] for kv in case_extra if kv.startswith(key + "=")]
+            if values:
+                name += f"-{label}{values[-1]}"
         if (RESULTS / f"{name}.json").exists() and not args.force:
             print(f"{name}: result exists, skipped", flush=True)
             continue
@@ -105,7 +109,7 @@ def load_results():
 
 
 NOTABLE = ("model.recompute", "zero_cache.prefetch_cache_sub_group_rate", "optim.offload_fraction", "zero_cache.accumulate_in_store",
-           "zero_cache.offload_params", "zero_cache.device_update_fraction", "zero_cache.nvme_path")
+           "zero_cache.offload_params", "zero_cache.device_update_fraction", "zero_cache.nvme_path", "zero_cache.cpu_adam")
 
 
 def settings(command: str) -> str:

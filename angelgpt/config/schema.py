@@ -207,6 +207,12 @@ class ZeroCacheConfig:
     into the model and the states stream back, while the CPU updates the rest at the same time.
     'auto' splits by the rates of the two paths (PCIe against the CPU update) so both finish
     together; 0.0 leaves every host update to the CPU. Pins those states in host memory."""
+    cpu_adam: str = "auto"
+    """AdamW of the states the CPU updates: 'native' builds (once per machine, with the system C compiler,
+    cached under ~/.cache/angelgpt or $ANGELGPT_CACHE) a kernel that reads the model-dtype gradient,
+    updates the fp32 states and writes the model-dtype weights in one pass over memory; 'torch' converts
+    the gradient to fp32, runs torch's fused AdamW and converts the weights back; 'auto' is 'native'
+    where it builds, else 'torch'."""
     max_contigous_params_size: int = -1
     """Bytes of GPU memory for fetched (offloaded) weights, the running layer's and those prefetched:
     prefetching stops short of it; -1 means no limit."""
@@ -238,6 +244,8 @@ class ZeroCacheConfig:
         _fraction_or_auto("zero_cache.device_update_fraction", self.device_update_fraction)
         _require(self.accumulate_in_store in (True, False, "auto"),
                  f"zero_cache.accumulate_in_store must be true, false or 'auto', got '{self.accumulate_in_store}'")
+        _require(self.cpu_adam in ("auto", "native", "torch"),
+                 f"zero_cache.cpu_adam must be 'auto', 'native' or 'torch', got '{self.cpu_adam}'")
         _require(self.offload_params in (True, False, "auto"),
                  f"zero_cache.offload_params must be true, false or 'auto', got '{self.offload_params}'")
         _require(self.max_contigous_params_size == -1 or self.max_contigous_params_size > 0,

@@ -46,6 +46,7 @@ from megatron.core import parallel_state
 
 from angelgpt.config import Config, ConfigError
 from angelgpt.train.optim import _no_weight_decay, clip_coefficient
+from angelgpt.zero_cache.cpu_adam import CpuAdam, CpuAdamUnavailable
 from angelgpt.zero_cache.pipeline import Profile, Streams
 from angelgpt.zero_cache.placement import (ACCUMULATION_SLOTS, DEVICE_UPDATE_SLICE, SLICE, STATES,
                                            accumulation_bytes, chunk_runs, device_update_bytes, largest_off_device_group,
@@ -182,6 +183,7 @@ class ZeroCacheOptimizer:
         self.slot_of = {id(p): (c, off) for c in self.chunks for p, off in zip(c.params, c.offsets)}  # owned params
         self.model_dtype = self.params[0].dtype
         self._place(zc)
+        self.cpu_adam = self._load_cpu_adam(zc.cpu_adam)
         self.streams = Streams(device)
         self.profile = Profile(device, enabled=zc.is_communication_time_profiling)
         self._live: Dict[int, Tuple[torch.Tensor, object]] = {}  # fetched layers: weights, H2D event
@@ -245,6 +247,22 @@ class ZeroCacheOptimizer:
 
         refuse_together(check)
         self.planned_bytes = needed
+
+    def _load_cpu_adam(self, mode: str) -> Optional[CpuAdam]:
+        """The one-pass CPU AdamW when the CPU updates some chunk (None: torch's)."""
+        if self.device.type == "cuda" and not any(c.tier != "device" and not c.device_update for c in self.chunks):
+            return None
+        kernel = None
+
+        def load():
+            nonlocal kernel
+            try:
+                kernel = CpuAdam.load(mode)
+            except CpuAdamUnavailable as e:
+                raise ConfigError(f"zero_cache.cpu_adam=native cannot be built: {e}") from e
+
+        refuse_together(load)
+        return kernel
 
     def _allocate(self) -> None:
         on_cuda = self.device.type == "cuda"
@@ -324,7 +342,8 @@ class ZeroCacheOptimizer:
         return (f"zero_cache: prefetch_cache_sub_group_rate {self.rate:.2f}, offload_params {self.offload_params}; "
                 f"owned parameters' states on device {owned['device']:,}, host {owned['host']:,}, nvme "
                 f"{owned['nvme']:,}; host states updated on the device {on_device:,} "
-                f"(device_update_fraction {self.device_update_fraction:.2f})")
+                f"(device_update_fraction {self.device_update_fraction:.2f}); CPU AdamW "
+                f"{'native' if self.cpu_adam else 'torch'}")
 
     def allocated_bytes(self) -> Dict[str, int]:
         """Bytes each tier actually holds (chunk states, owned gradients, scratch and staging)."""
@@ -707,14 +726,22 @@ class ZeroCacheOptimizer:
             self.profile.exposed("step", time.perf_counter() - t0)
         return True, norm, None
 
-    def _adamw(self, c: Chunk, states: torch.Tensor, grad: torch.Tensor, hyper, coef: float) -> None:
-        """Fused AdamW where the chunk lives; clipping rides in the kernel (grad_scale divides the
+    def _adamw(self, c: Chunk, states: torch.Tensor, grad: torch.Tensor, hyper, coef: float, out=None) -> None:
+        """AdamW where the chunk lives, the new weights into out (model dtype) unless it is None. On the
+        CPU the one-pass kernel where it was built (every CPU update uses it: placements agree); else
+        torch's fused AdamW (fp32 gradient), clipping riding in the kernel (grad_scale divides the
         gradient), so it costs no extra pass over memory."""
         lr, wd = hyper[0 if c.decay else 1]
+        if self.cpu_adam is not None and not grad.is_cuda:
+            self.cpu_adam.step(states, grad, out, step=int(c.step.item()), lr=lr, weight_decay=wd,
+                               betas=self.betas, eps=self.eps, coef=coef)
+            return
         scale = None if coef >= 1.0 else torch.full((), 1.0 / coef, dtype=torch.float32, device=grad.device)
         torch._fused_adamw_([states[0]], [grad], [states[1]], [states[2]], [], [c.step],
                             lr=lr, beta1=self.betas[0], beta2=self.betas[1],
                             weight_decay=wd, eps=self.eps, amsgrad=False, maximize=False, grad_scale=scale)
+        if out is not None:
+            out.copy_(states[0])
 
     def _update_on_device(self, c: Chunk, coef: float, hyper) -> None:
         c.step += 1
@@ -738,23 +765,25 @@ class ZeroCacheOptimizer:
             states = self._nvme_states(c) if c.tier == "nvme" else c.states
             c.step += 1
             for lo, hi in slices(c.numel):
-                grad = self.scratch["host"][:hi - lo]
-                t1 = time.perf_counter()
-                grad.copy_(c.grad[lo:hi])  # before an offloaded layer's new weights overwrite the buffer
-                t2 = time.perf_counter()
-                self._adamw(c, states[:, lo:hi], grad, hyper, coef)
-                self.profile.busy("cpu_copy", t2 - t1)
-                self.profile.busy("cpu_optimizer", time.perf_counter() - t2)
-                if c.weights is not None:
-                    c.weights[lo:hi].copy_(states[0, lo:hi])  # fetched from here before the layer next runs
+                slot = None
+                if c.weights is not None:  # fetched from here before the layer next runs
+                    out = c.weights[lo:hi]
+                elif self.streams.cuda:  # up through a pinned staging buffer
+                    slot, out = self._staging(hi - lo)
                 else:
-                    events.append(self._upload_master(c, states[0], lo, hi, after_backward))
+                    out = None  # CPU: copied into the model from the master
+                self._cpu_update(c, states[:, lo:hi], lo, hi, out, hyper, coef)
+                if slot is not None:
+                    events.append(self._upload_staging(c, slot, lo, hi, after_backward))
+                elif out is None:
+                    for p, a, b, sa, sb in self._param_ranges(c, lo, hi):
+                        p.data.view(-1)[a:b].copy_(states[0, sa:sb])
             if c.tier == "nvme":
                 t2 = time.perf_counter()
                 NVMeTier.write(c.file, states.reshape(-1))
                 self.profile.busy("nvme", time.perf_counter() - t2, c.numel * STATES * 4)
             self.profile.busy("update_thread", time.perf_counter() - t0)
-        return [e for e in events if e is not None]
+        return events
 
     def _update_streamed(self, gi: int, coef: float, hyper, after_backward) -> list:
         """Device-update thread: the host chunks of one sub-group that the device updates, a slice at a
@@ -823,20 +852,35 @@ class ZeroCacheOptimizer:
         self.profile.busy("nvme", time.perf_counter() - t0, c.numel * STATES * 4)
         return out
 
-    def _upload_master(self, c: Chunk, master: torch.Tensor, lo: int, hi: int, after_backward):
-        """Updated weights [lo, hi) of a chunk into the model: on CUDA through a pinned buffer on the
-        H2D stream (an event to wait on); on CPU a plain copy."""
-        if not self.streams.cuda:
-            for p, a, b, sa, sb in self._param_ranges(c, lo, hi):
-                p.data.view(-1)[a:b].copy_(master[sa:sb])
-            return None
+    def _cpu_update(self, c: Chunk, states: torch.Tensor, lo: int, hi: int, out, hyper, coef: float) -> None:
+        """AdamW of a host or NVMe chunk's slice [lo, hi), the new weights into out (model dtype; may be
+        the gradient buffer itself) unless it is None."""
+        t0 = time.perf_counter()
+        if self.cpu_adam is not None:  # one pass: model-dtype gradient in, model-dtype weights out
+            self._adamw(c, states, c.grad[lo:hi], hyper, coef, out)
+            self.profile.busy("cpu_optimizer", time.perf_counter() - t0)
+            return
+        grad = self.scratch["host"][:hi - lo]
+        grad.copy_(c.grad[lo:hi])  # before an offloaded layer's new weights overwrite the buffer
+        t1 = time.perf_counter()
+        self._adamw(c, states, grad, hyper, coef)
+        t2 = time.perf_counter()
+        if out is not None:
+            out.copy_(states[0])
+        self.profile.busy("cpu_copy", (t1 - t0) + (time.perf_counter() - t2))
+        self.profile.busy("cpu_optimizer", t2 - t1)
+
+    def _staging(self, n: int) -> Tuple[int, torch.Tensor]:
+        """The next pinned upload buffer, once its previous upload has left it."""
         slot = self._slot = 1 - self._slot
         if self._upload_done[slot] is not None:
-            self._upload_done[slot].synchronize()  # the buffer's previous upload has left it
+            self._upload_done[slot].synchronize()
+        return slot, self._upload[slot][:n]
+
+    def _upload_staging(self, c: Chunk, slot: int, lo: int, hi: int, after_backward):
+        """Updated weights [lo, hi) of a chunk, in staging buffer slot, into the model on the upload
+        stream; returns the event to wait on."""
         staging = self._upload[slot][:hi - lo]
-        t1 = time.perf_counter()
-        staging.copy_(master[lo:hi])
-        self.profile.busy("cpu_copy", time.perf_counter() - t1)
         upload = self.streams.upload
         t0 = self.profile.start("h2d", upload)
         with torch.cuda.stream(upload):

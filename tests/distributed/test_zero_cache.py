@@ -6,6 +6,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -157,18 +158,22 @@ def test_a_layer_split_between_device_and_host_equals_torch_adamw(tmp_path, monk
         assert r["allocated"][tier] == predicted[tier], (tier, r["allocated"], predicted)
 
 
-@pytest.mark.parametrize("dp", [1, 2])
-@pytest.mark.parametrize("nvme", [False, True], ids=["no-nvme", "nvme"])
-def test_offloaded_weights_update_equals_torch_adamw(tmp_path, dp, nvme):
+@pytest.mark.parametrize("dp, nvme, cpu_adam", [(1, False, "auto"), (2, False, "torch"), (1, True, "auto"),
+                                                 (2, True, "auto")])
+def test_offloaded_weights_update_equals_torch_adamw(tmp_path, dp, nvme, cpu_adam):
     """offload_params: layers whose states are off the device keep their weights on the host, are
-    fetched before each forward and released after their backward; updates still equal torch AdamW."""
-    overrides = ["zero_cache.prefetch_cache_sub_group_rate=0.0", "zero_cache.offload_params=true"]
+    fetched before each forward and released after their backward; updates still equal torch AdamW,
+    with the one-pass CPU AdamW (writing the new weights over the gradient they came from) and with
+    torch's."""
+    overrides = ["zero_cache.prefetch_cache_sub_group_rate=0.0", "zero_cache.offload_params=true",
+                 f"zero_cache.cpu_adam={cpu_adam}"]
     if nvme:
         host_gib = 0.0025 if dp == 1 else 0.0016  # some states on the host, the rest on NVMe
         overrides += [f"zero_cache.nvme_path={tmp_path / 'nvme'}", f"zero_cache.host_max_gib={host_gib}"]
     ranks = adamw_check(tmp_path, dp, *overrides)
     cfg = resolve("tiny", overrides=["optim.optimizer=zero_cache", *overrides])
     for r in ranks:
+        assert r["cpu_adam"] == ("native" if cpu_adam == "auto" and shutil.which("cc") else "torch"), r
         assert r["first_update_max_rel_err"] < 1e-6, r
         assert r["three_updates_rel_err"] < 1e-6, r
         assert r["offloaded_layers"] == list(range(1, cfg.model.num_layers + 1)), r["offloaded_layers"]

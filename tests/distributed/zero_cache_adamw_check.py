@@ -136,6 +136,7 @@ def main():
               "released_after_use": released, "prefetch_depth": opt.prefetch_depth,
               "eval_peak_live_params": eval_peak, "checkpoint_views": in_place,
               "device_updated": sum(c.numel for c in opt.chunks if c.device_update),
+              "cpu_adam": "native" if opt.cpu_adam else "torch",
               "host_numel": sum(c.numel for c in opt.chunks if c.tier == "host"),
               "split_groups": [gi for gi, cs in enumerate(opt.chunks_of) if len({c.tier for c in cs}) > 1],
               "chunks_per_group": max(len(cs) for cs in opt.chunks_of),

@@ -32,6 +32,7 @@ def test_derived_fields():
 @pytest.mark.parametrize("overrides, needle", [
     (["zero_cache.prefetch_cache_sub_group_rate=1.5"], "prefetch_cache_sub_group_rate"),
     (["zero_cache.max_contigous_params_size=0"], "max_contigous_params_size"),
+    (["zero_cache.cpu_adam=avx"], "zero_cache.cpu_adam must be 'auto', 'native' or 'torch', got 'avx'"),
     (["optim.optimizer=sgd"], "optim.optimizer"),
     (["train.device=tpu"], "train.device"),
     (["num_layers=true"], "model.num_layers"),

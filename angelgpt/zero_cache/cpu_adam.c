@@ -1,0 +1,105 @@
+/* AdamW over one slice of a host chunk in one pass over memory.
+ *
+ * Reads the gradient in the model's dtype (bf16 or fp32), updates the fp32 master weight and moments
+ * in place, and writes the new weight in the model's dtype (into a buffer of its own, over the
+ * gradient it was computed from, or not at all): 28 bytes per parameter for bf16, where converting
+ * the gradient up, running fp32 AdamW and converting the weight back moves 40 in three passes.
+ * The arithmetic is torch's AdamW (decoupled weight decay, bias corrections, eps outside the square
+ * root, the gradient divided by the clipping scale); its rounding differs from torch's kernels by ulps.
+ *
+ * Built at run time by angelgpt/zero_cache/cpu_adam.py:
+ *     cc -O3 -march=native -fno-math-errno -fno-trapping-math -shared -fPIC -pthread cpu_adam.c
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef struct {
+    float *p, *m, *v;      /* [n] fp32 master weight, exp_avg, exp_avg_sq */
+    void *g;               /* [n] gradient: bf16 when bf16, else fp32 */
+    void *out;             /* [n] new weight in the gradient's dtype: out (out_kind 1), over g (2), none (0) */
+    int64_t lo, hi;        /* this thread's range */
+    int bf16, out_kind;
+    float decay, beta1, beta2, step_size, bc2_sqrt, eps, scale;
+} Job;
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even; NaN stays NaN */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    uint32_t nan = (u >> 16) | 0x40u;
+    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
+}
+
+/* one loop, specialised for each (dtype, output) pair so that each vectorises */
+static inline __attribute__((always_inline)) void run(const Job *j, const int bf16, const int out_kind) {
+    float *restrict p = j->p, *restrict m = j->m, *restrict v = j->v;
+    uint16_t *restrict g16 = (uint16_t *)j->g;
+    float *restrict g32 = (float *)j->g;
+    uint16_t *restrict o16 = (uint16_t *)j->out;
+    float *restrict o32 = (float *)j->out;
+    const float decay = j->decay, b1 = j->beta1, b2 = j->beta2, c1 = 1.0f - j->beta1, c2 = 1.0f - j->beta2;
+    const float step_size = j->step_size, bc2_sqrt = j->bc2_sqrt, eps = j->eps, scale = j->scale;
+    for (int64_t i = j->lo; i < j->hi; i++) {
+        float g = (bf16 ? bf16_to_f32(g16[i]) : g32[i]) / scale;
+        float mi = b1 * m[i] + c1 * g;
+        float vi = b2 * v[i] + c2 * g * g;
+        float w = p[i] * decay - step_size * mi / (sqrtf(vi) / bc2_sqrt + eps);
+        p[i] = w;
+        m[i] = mi;
+        v[i] = vi;
+        if (out_kind == 1 && bf16) o16[i] = f32_to_bf16(w);
+        if (out_kind == 1 && !bf16) o32[i] = w;
+        if (out_kind == 2 && bf16) g16[i] = f32_to_bf16(w); /* same element just read: no alias between i */
+        if (out_kind == 2 && !bf16) g32[i] = w;
+    }
+}
+
+static void *work(void *arg) {
+    const Job *j = (const Job *)arg;
+    switch (j->bf16 * 3 + j->out_kind) {
+    case 0: run(j, 0, 0); break;
+    case 1: run(j, 0, 1); break;
+    case 2: run(j, 0, 2); break;
+    case 3: run(j, 1, 0); break;
+    case 4: run(j, 1, 1); break;
+    default: run(j, 1, 2); break;
+    }
+    return NULL;
+}
+
+#define MAX_THREADS 256
+
+/* Splits the slice over `threads` threads (the caller is one); a thread that cannot start has its
+ * part done by the caller. */
+void angelgpt_adamw(float *p, float *m, float *v, void *g, int bf16, void *out, int out_kind, int64_t n,
+                    float decay, float beta1, float beta2, float step_size, float bc2_sqrt, float eps, float scale,
+                    int threads) {
+    if (threads < 1) threads = 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    int64_t per = (n + threads - 1) / threads;
+    per = (per + 63) & ~(int64_t)63; /* whole cache lines per thread */
+    Job jobs[MAX_THREADS];
+    pthread_t tids[MAX_THREADS];
+    int started[MAX_THREADS];
+    int count = 0;
+    for (int64_t lo = 0; lo < n && count < threads; lo += per, count++) {
+        Job j = {p, m, v, g, out, lo, lo + per < n ? lo + per : n, bf16, out_kind,
+                 decay, beta1, beta2, step_size, bc2_sqrt, eps, scale};
+        jobs[count] = j;
+    }
+    for (int t = 1; t < count; t++) started[t] = pthread_create(&tids[t], NULL, work, &jobs[t]) == 0;
+    if (count > 0) work(&jobs[0]);
+    for (int t = 1; t < count; t++) {
+        if (started[t]) pthread_join(tids[t], NULL);
+        else work(&jobs[t]);
+    }
+}

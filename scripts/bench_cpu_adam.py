@@ -1,0 +1,97 @@
+"""Host update of one slice, as ZeRO-Cache's update thread does it: bf16 gradient in, fp32 AdamW,
+bf16 weights out into a pinned upload buffer. Compares the one-pass kernel (zero_cache.cpu_adam=native)
+with torch's fused AdamW and the two conversions around it ('torch').
+
+    python scripts/bench_cpu_adam.py [--numel 67108864] [--repeats 7] [--out benchmarks/results]
+
+Writes <out>/cpu_adam-<numel>.json: the command, commit, machine, median seconds and G params/s of
+each path, and the largest difference between the two paths' master weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def main() -> int:
+    import torch
+
+    from angelgpt.zero_cache.cpu_adam import CpuAdam
+    from scripts.bench_train import commit, machine
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--numel", type=int, default=1 << 26, help="slice size (ZeRO-Cache's SLICE)")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = ap.parse_args()
+    if args.numel <= 0 or args.repeats <= 0:
+        print("bench_cpu_adam: --numel and --repeats must be > 0", file=sys.stderr)
+        return 2
+    pin = torch.cuda.is_available()  # host chunks are pinned when a GPU takes their weights
+    n = args.numel
+    gen = torch.Generator().manual_seed(0)
+
+    def buffers():
+        states = torch.empty(3, n, pin_memory=pin)
+        states[0].normal_(generator=gen)
+        states[1].normal_(generator=gen).mul_(1e-3)
+        states[2].uniform_(generator=gen).mul_(1e-6)
+        return states
+
+    states = {"native": buffers()}
+    states["torch"] = states["native"].clone()
+    grad = torch.empty(n, dtype=torch.bfloat16, pin_memory=pin).normal_(generator=gen).mul_(1e-3)
+    out = torch.empty(n, dtype=torch.bfloat16, pin_memory=pin)
+    scratch = torch.empty(n, pin_memory=pin)  # the torch path's fp32 gradient
+    hyper = dict(lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
+    kernel = CpuAdam.load("native")
+    step_t = torch.zeros(())
+
+    def native(step):
+        kernel.step(states["native"], grad, out, step=step, coef=0.5, **hyper)
+
+    def torch_path(step):
+        st = states["torch"]
+        scratch.copy_(grad)
+        step_t.fill_(step)
+        torch._fused_adamw_([st[0]], [scratch], [st[1]], [st[2]], [], [step_t], lr=hyper["lr"],
+                            beta1=hyper["betas"][0], beta2=hyper["betas"][1], weight_decay=hyper["weight_decay"],
+                            eps=hyper["eps"], amsgrad=False, maximize=False, grad_scale=torch.tensor(2.0))
+        out.copy_(st[0])
+
+    times = {"native": [], "torch": []}
+    for step in range(1, args.repeats + 2):  # the first round warms up (page faults, thread start)
+        for name, fn in (("native", native), ("torch", torch_path)):
+            t0 = time.perf_counter()
+            fn(step)
+            if step > 1:
+                times[name].append(time.perf_counter() - t0)
+    diff = ((states["native"][0] - states["torch"][0]).abs().max() / states["torch"][0].abs().max()).item()
+    result = {
+        "name": f"cpu_adam-{n}",
+        "command": shlex.join([sys.executable, *sys.argv]),
+        "commit": commit(), "machine": machine(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "numel": n, "threads": kernel.threads, "pinned": pin, "repeats": args.repeats,
+        "median_s": {k: statistics.median(v) for k, v in times.items()},
+        "gparams_per_s": {k: n / statistics.median(v) / 1e9 for k, v in times.items()},
+        "speedup": statistics.median(times["torch"]) / statistics.median(times["native"]),
+        "master_max_rel_diff": diff,
+    }
+    path = Path(args.out) / f"{result['name']}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({k: result[k] for k in ("median_s", "gparams_per_s", "speedup", "master_max_rel_diff")}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

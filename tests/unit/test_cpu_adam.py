@@ -1,0 +1,83 @@
+"""The one-pass CPU AdamW kernel (zero_cache/cpu_adam.c) against torch's fused AdamW with the dtype
+conversions around it, and its build and fallback rules."""
+
+import shutil
+
+import pytest
+import torch
+
+from angelgpt.zero_cache.cpu_adam import CpuAdam, CpuAdamUnavailable, build
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
+
+HYPER = dict(lr=2e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
+
+
+def reference(states, grad, step, coef):
+    """torch: gradient up to fp32, fused AdamW (clipping as grad_scale), weights back to grad's dtype."""
+    g = grad.float()
+    scale = None if coef >= 1.0 else torch.tensor(1.0 / coef)
+    torch._fused_adamw_([states[0]], [g], [states[1]], [states[2]], [], [torch.tensor(float(step))],
+                        lr=HYPER["lr"], beta1=HYPER["betas"][0], beta2=HYPER["betas"][1],
+                        weight_decay=HYPER["weight_decay"], eps=HYPER["eps"], amsgrad=False, maximize=False,
+                        grad_scale=scale)
+    return states[0].to(grad.dtype)
+
+
+@pytest.fixture(scope="module")
+def adam(tmp_path_factory):
+    import os
+    os.environ["ANGELGPT_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+    try:
+        return CpuAdam(build(), threads=3)  # three threads: the slice splits unevenly
+    finally:
+        del os.environ["ANGELGPT_CACHE"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("out_mode", ["buffer", "over_grad", "none"])
+def test_matches_torch_adamw(adam, dtype, out_mode):
+    n = 100_003  # not a multiple of any vector width
+    gen = torch.Generator().manual_seed(0)
+    states = torch.randn(3, n, generator=gen)
+    states[2].abs_()
+    ref = states.clone()
+    for step, coef in [(1, 1.0), (2, 0.3), (3, 5.0)]:  # coef >= 1: no clipping
+        grad = torch.randn(n, generator=gen).to(dtype)
+        expected = reference(ref, grad.clone(), step, coef)
+        out = {"buffer": torch.empty(n, dtype=dtype), "over_grad": grad, "none": None}[out_mode]
+        before = grad.clone()
+        adam.step(states, grad, out, step=step, coef=coef, **HYPER)
+        torch.testing.assert_close(states, ref, rtol=1e-5, atol=1e-6)  # ulps of O(1) terms
+        if out is not None:
+            assert torch.equal(out, states[0].to(dtype))  # the new weight, rounded to nearest even
+            assert (out.float() - expected.float()).abs().max() <= (expected.float().abs().max() * 2 ** -7)
+        if out_mode != "over_grad":
+            assert torch.equal(grad, before)  # the gradient is only read
+
+
+def test_bf16_rounding_is_torchs():
+    """The weights written in bf16 round as torch rounds (nearest, ties to even; NaN and inf kept)."""
+    values = torch.tensor([1.0, 1.00390625, 1.01171875, -2.5e-39, 3.4e38, float("inf"), float("-inf"), 0.0,
+                           1 + 2 ** -8, 1 + 3 * 2 ** -8, 65504.0, -1e-3])
+    lib = CpuAdam(build(), threads=1)
+    states = torch.zeros(3, values.numel())
+    states[0] = values
+    out = torch.empty(values.numel(), dtype=torch.bfloat16)
+    # lr 0, no decay and a zero gradient leave the master as it is: out is its bf16 rounding
+    lib.step(states, torch.zeros(values.numel(), dtype=torch.bfloat16), out, step=1, lr=0.0, weight_decay=0.0,
+             betas=(0.9, 0.95), eps=1e-8, coef=1.0)
+    assert torch.equal(out, values.to(torch.bfloat16))
+
+
+def test_load_modes(tmp_path, monkeypatch):
+    monkeypatch.setenv("ANGELGPT_CACHE", str(tmp_path))
+    assert CpuAdam.load("torch") is None
+    kernel = CpuAdam.load("auto")
+    assert kernel is not None and kernel.path.parent == tmp_path / "cpu_adam"
+    assert CpuAdam.load("native").path == kernel.path  # cached: built once
+    assert [p.name for p in kernel.path.parent.iterdir()] == [kernel.path.name]  # no temporary left
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    assert CpuAdam.load("auto") is None  # falls back to torch's AdamW
+    with pytest.raises(CpuAdamUnavailable, match="no-such-cc"):
+        CpuAdam.load("native")
