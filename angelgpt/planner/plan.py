@@ -60,15 +60,16 @@ MACHINES: Dict[str, Machine] = {
     # on 16 cores, disk 1.4 GB/s written and 1.5 read one way at a time, Megatron GPT at h=8192 630
     # hardware TFLOP/s with full recompute; ZeRO-Cache's NVMe tier moved 2.0 GB/s reading and writing at
     # once (24 layers of the 55 shape: 135.3 GB per step in 67.6 s)
-    # ZeRO-Cache's host update ran 2.25 G params/s there (20 layers of the 55 shape: 9.0B host-resident
-    # parameters in 4.0 s of update thread); the other machines' figures scale the same ratio.
+    # ZeRO-Cache's host update with the one-pass CPU AdamW (zero_cache.cpu_adam native) ran 2.8 G params/s
+    # there (scripts/bench_cpu_adam.py: bf16 gradient in, bf16 weights out, 64M-element slices on 16
+    # threads; 3.0 in training beside the device path); the other machines' figures scale the same ratio.
     # Host and NVMe as a fresh machine offers them: MemAvailable 125.4 GiB less the 3% ZeRO-Cache leaves,
     # plus the process (123.4); 64 GiB free on its disk
-    "h200": Machine("h200", 1, 139.8, 123.4, 64.0, 55.0, 2.0, 150.0, 630.0, 4.2, 2.25),
-    "h200x8": Machine("h200x8", 8, 139.8, 2000.0, 3000.0, 55.0, 6.0, 150.0, 630.0, 20.0, 10.7),
-    "h100x8": Machine("h100x8", 8, 79.6, 2000.0, 3000.0, 50.0, 6.0, 150.0, 600.0, 20.0, 10.7),
-    "a100-80gx8": Machine("a100-80gx8", 8, 79.2, 1000.0, 3000.0, 24.0, 3.0, 100.0, 240.0, 8.0, 4.3),
-    "a100-40gx8": Machine("a100-40gx8", 8, 39.4, 1000.0, 3000.0, 24.0, 3.0, 100.0, 240.0, 8.0, 4.3),
+    "h200": Machine("h200", 1, 139.8, 123.4, 64.0, 55.0, 2.0, 150.0, 630.0, 4.2, 2.8),
+    "h200x8": Machine("h200x8", 8, 139.8, 2000.0, 3000.0, 55.0, 6.0, 150.0, 630.0, 20.0, 13.3),
+    "h100x8": Machine("h100x8", 8, 79.6, 2000.0, 3000.0, 50.0, 6.0, 150.0, 600.0, 20.0, 13.3),
+    "a100-80gx8": Machine("a100-80gx8", 8, 79.2, 1000.0, 3000.0, 24.0, 3.0, 100.0, 240.0, 8.0, 5.3),
+    "a100-40gx8": Machine("a100-40gx8", 8, 39.4, 1000.0, 3000.0, 24.0, 3.0, 100.0, 240.0, 8.0, 5.3),
 }
 
 
@@ -78,11 +79,14 @@ MACHINES: Dict[str, Machine] = {
 # (the two share host memory bandwidth); other machines scale with their PCIe and CPU figures
 DEVICE_UPDATE_PER_PCIE_GBS = 2.55 / 55.0
 CPU_UPDATE_SHARED = 0.73
+# zero_cache.cpu_adam torch (fp32 gradient scratch, torch's fused AdamW, weights converted back) against
+# the one-pass kernel, same benchmark: 2.09 against 2.81 G params/s
+TORCH_CPU_UPDATE = 0.74
 
 
-def host_update_rates(hw: Machine, gpus_per_node: int):
+def host_update_rates(hw: Machine, gpus_per_node: int, cpu_adam: str = "auto"):
     """Parameters/s per GPU of the host update: (CPU alone, CPU beside device updates, device path)."""
-    cpu = hw.cpu_update_gparams * 1e9 / gpus_per_node
+    cpu = hw.cpu_update_gparams * 1e9 / gpus_per_node * (TORCH_CPU_UPDATE if cpu_adam == "torch" else 1.0)
     return cpu, cpu * CPU_UPDATE_SHARED, hw.pcie_gbs * DEVICE_UPDATE_PER_PCIE_GBS * 1e9
 
 
@@ -283,7 +287,7 @@ def device_update_fraction(cfg: Config, hw: Machine, gpus_per_node: int) -> floa
     frac = cfg.zero_cache.device_update_fraction
     if frac != "auto":
         return float(frac)
-    _, cpu_rate, device_rate = host_update_rates(hw, gpus_per_node)
+    _, cpu_rate, device_rate = host_update_rates(hw, gpus_per_node, cfg.zero_cache.cpu_adam)
     return round(device_rate / (device_rate + cpu_rate), 2)
 
 
@@ -364,7 +368,7 @@ def plan_zero_cache(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int
     d2h = off_numel * MODEL_BYTES / (hw.pcie_gbs * 1e9)
     on_device = sum(n for n, s in zip(numels, streamed) if s)  # host chunks the GPU updates
     h2d = (off_numel - on_device) * MODEL_BYTES / (hw.pcie_gbs * 1e9)
-    cpu_alone, cpu_shared, device_rate = host_update_rates(hw, gpus_per_node)
+    cpu_alone, cpu_shared, device_rate = host_update_rates(hw, gpus_per_node, zc.cpu_adam)
     beside = on_device / device_rate  # the device path's time, while the CPU runs at its shared rate
     cpu_work = off_numel - on_device
     cpu = cpu_work / cpu_shared if cpu_work <= cpu_shared * beside else beside + (
