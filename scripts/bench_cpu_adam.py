@@ -2,9 +2,9 @@
 bf16 weights out into a pinned upload buffer. Compares the one-pass kernel (zero_cache.cpu_adam=native)
 with torch's fused AdamW and the two conversions around it ('torch').
 
-    python scripts/bench_cpu_adam.py [--numel 67108864] [--repeats 7] [--out benchmarks/results]
+    python scripts/bench_cpu_adam.py [--numel 67108864] [--threads N] [--repeats 7] [--out benchmarks/results]
 
-Writes <out>/cpu_adam-<numel>.json: the command, commit, machine, median seconds and G params/s of
+Writes <out>/cpu_adam-<numel>[-t<threads>].json: the command, commit, machine, median seconds and G params/s of
 each path, and the largest difference between the two paths' master weights.
 """
 
@@ -30,12 +30,15 @@ def main() -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--numel", type=int, default=1 << 26, help="slice size (ZeRO-Cache's SLICE)")
+    ap.add_argument("--threads", type=int, default=None, help="both paths' threads (default: torch's)")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args()
-    if args.numel <= 0 or args.repeats <= 0:
-        print("bench_cpu_adam: --numel and --repeats must be > 0", file=sys.stderr)
+    if args.numel <= 0 or args.repeats <= 0 or (args.threads is not None and args.threads <= 0):
+        print("bench_cpu_adam: --numel, --threads and --repeats must be > 0", file=sys.stderr)
         return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
     pin = torch.cuda.is_available()  # host chunks are pinned when a GPU takes their weights
     n = args.numel
     gen = torch.Generator().manual_seed(0)
@@ -77,7 +80,7 @@ def main() -> int:
                 times[name].append(time.perf_counter() - t0)
     diff = ((states["native"][0] - states["torch"][0]).abs().max() / states["torch"][0].abs().max()).item()
     result = {
-        "name": f"cpu_adam-{n}",
+        "name": f"cpu_adam-{n}" + (f"-t{args.threads}" if args.threads else ""),
         "command": shlex.join([sys.executable, *sys.argv]),
         "commit": commit(), "machine": machine(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "numel": n, "threads": kernel.threads, "pinned": pin, "repeats": args.repeats,
