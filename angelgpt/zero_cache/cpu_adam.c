@@ -63,8 +63,7 @@ static inline __attribute__((always_inline)) void run(const Job *j, const int bf
     }
 }
 
-static void *work(void *arg) {
-    const Job *j = (const Job *)arg;
+static void range(const Job *j) {
     switch (j->bf16 * 3 + j->out_kind) {
     case 0: run(j, 0, 0); break;
     case 1: run(j, 0, 1); break;
@@ -73,33 +72,43 @@ static void *work(void *arg) {
     case 4: run(j, 1, 1); break;
     default: run(j, 1, 2); break;
     }
-    return NULL;
 }
 
 #define MAX_THREADS 256
+#define BLOCK 65536 /* elements a thread takes at a time: 256 KiB of each fp32 state */
 
-/* Splits the slice over `threads` threads (the caller is one); a thread that cannot start has its
- * part done by the caller. */
+typedef struct {
+    Job job;              /* the whole slice; lo, hi unused */
+    int64_t n, next;      /* next: the first element no thread has taken yet */
+} Shared;
+
+/* Threads take blocks until none is left, so a thread that the OS runs late (another thread of the
+ * process, a busy core) delays the slice by one block, not by a whole static share. */
+static void *work(void *arg) {
+    Shared *s = (Shared *)arg;
+    for (;;) {
+        int64_t lo = __atomic_fetch_add(&s->next, BLOCK, __ATOMIC_RELAXED);
+        if (lo >= s->n) return NULL;
+        Job j = s->job;
+        j.lo = lo;
+        j.hi = lo + BLOCK < s->n ? lo + BLOCK : s->n;
+        range(&j);
+    }
+}
+
+/* Updates the slice on `threads` threads (the caller is one; a thread that cannot start is left out). */
 void angelgpt_adamw(float *p, float *m, float *v, void *g, int bf16, void *out, int out_kind, int64_t n,
                     float decay, float beta1, float beta2, float step_size, float bc2_sqrt, float eps, float scale,
                     int threads) {
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
-    int64_t per = (n + threads - 1) / threads;
-    per = (per + 63) & ~(int64_t)63; /* whole cache lines per thread */
-    Job jobs[MAX_THREADS];
+    int64_t blocks = (n + BLOCK - 1) / BLOCK;
+    if (threads > blocks) threads = (int)blocks;
+    Shared s = {{p, m, v, g, out, 0, 0, bf16, out_kind, decay, beta1, beta2, step_size, bc2_sqrt, eps, scale}, n, 0};
     pthread_t tids[MAX_THREADS];
     int started[MAX_THREADS];
-    int count = 0;
-    for (int64_t lo = 0; lo < n && count < threads; lo += per, count++) {
-        Job j = {p, m, v, g, out, lo, lo + per < n ? lo + per : n, bf16, out_kind,
-                 decay, beta1, beta2, step_size, bc2_sqrt, eps, scale};
-        jobs[count] = j;
-    }
-    for (int t = 1; t < count; t++) started[t] = pthread_create(&tids[t], NULL, work, &jobs[t]) == 0;
-    if (count > 0) work(&jobs[0]);
-    for (int t = 1; t < count; t++) {
+    for (int t = 1; t < threads; t++) started[t] = pthread_create(&tids[t], NULL, work, &s) == 0;
+    work(&s);
+    for (int t = 1; t < threads; t++)
         if (started[t]) pthread_join(tids[t], NULL);
-        else work(&jobs[t]);
-    }
 }
