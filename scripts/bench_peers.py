@@ -234,9 +234,14 @@ def report(args) -> int:
               "- Recompute: every system may pick its micro batch and `model.recompute` (the preset recomputes "
               "every layer). Where GPU memory allows, no recompute is faster for all of them: at 7 layers (a) "
               "made 545.1 TFLOP/s (micro batch 2; 446.1 with recompute) and (d) 584.4; at 11 layers (b) made "
-              "458.6 (micro batch 1, offload fraction 0.5; 388.4 with recompute) and (d) 534.9. The speed "
+              "458.6 (micro batch 1, offload fraction 0.5; 388.4 with recompute) and (d) 540.6. The speed "
               "ratios take each system's fastest run at a size.",
-              "- (d)/(b) at 11 layers misses 1.2x: it would need 550 TFLOP/s, a 6.75 s step. The profile shows "
+              "- (d)/(b) at 11 layers misses 1.2x: it would need 550 TFLOP/s, a 6.75 s step. With the one-pass "
+              "CPU AdamW (`zero_cache.cpu_adam`, commit c295635) it made 540.6 (1.18x) at the planner's placement "
+              "(rate 0.75, 56% of the host states updated on the GPU): its CPU share took 0.35 s, the GPU's 0.48 s, "
+              "and 0.35-0.43 s of the 6.88 s step still waited for them (0.45 on the GPU: 532.2, "
+              "`peers-zero_cache-L11-mb1-gb32-recomputenone-devupdate0.45.json`). Before it, with torch's AdamW "
+              "and the conversions around it, the profile showed "
               "0.32-0.49 s of the 6.95 s step waiting for the host update: the update starts once backward has "
               "given the global norm (clipping needs it) and has 1.9-2.7B host-resident parameters to update, "
               "while the next micro batch reaches the host layers about 60 ms into its forward. Moving more "
@@ -259,7 +264,13 @@ def report(args) -> int:
               "393.6 at commit ef6f814 (rate 0.46, one chunk per layer), so 0.73x of (a)'s 545.1 (goal "
               "0.75x). The planner expected 14.4 s, the run took 15.9 s: the layers that keep their "
               "activations are the host-resident ones, whose shorter backward now leaves less time for their "
-              "gradients' round trips over PCIe, and the wait for the host update stays about 2.0 s.",
+              "gradients' round trips over PCIe, and the wait for the host update stays about 2.0 s. With the "
+              "one-pass CPU AdamW the wait fell to 1.6-1.8 s: 401.6 TFLOP/s with 61% of the host states updated "
+              "on the GPU (`peers-zero_cache-L19-mb2-gb32-recomputeauto-split0.61.json`), 398.6 with the "
+              "planner's 56% for that kernel, 393.8 with 45% (`-devupdate0.45`), so 0.74x. The split hardly "
+              "matters: whatever it is, the two paths together move 124-128 GB/s through host memory (28 "
+              "bytes a parameter on the CPU, 26 over PCIe, 8.86B host parameters in about 1.9 s), which bounds "
+              "the update.",
               "- (e) ZeRO-Cache with the NVMe tier: 24 layers (19.76B) at rate 0.40 (`auto`) completed 3 "
               "steps at global batch 2: 63 GiB of states on the disk, 114.6 GiB host and 122.1 GiB GPU at "
               "peak, 67.6 s per step, 7.3 TFLOP/s. The step is the NVMe tier's: 135.3 GB read and written per "
@@ -297,7 +308,8 @@ def report(args) -> int:
               "(`accumulate-L19-offloaded-weights.json`, 244.9), device updates with two accumulation slots "
               "(`device-update-L19-two-slots.json`, 316.3); and 12 layers with offloaded weights fetched every "
               "micro batch (`zero_cache-L12-fetched-weights.json`, 369.9). What stays exposed at 19 layers is "
-              "the wait for the host update (about 2.0 s of a 16.0 s step).",
+              "the wait for the host update (1.6-1.8 s of a 15.7 s step; about 2.0 s before the one-pass CPU "
+              "AdamW).",
               "- The profile's round-trip time runs from when a round trip is queued on the H2D stream, so it "
               "includes that stream's wait for the gradients of the layer still in backward; it is not PCIe "
               "time. The slot wait is the backward thread's wait on the CPU, not idle GPU time.", ""]

@@ -60,9 +60,10 @@ MACHINES: Dict[str, Machine] = {
     # on 16 cores, disk 1.4 GB/s written and 1.5 read one way at a time, Megatron GPT at h=8192 630
     # hardware TFLOP/s with full recompute; ZeRO-Cache's NVMe tier moved 2.0 GB/s reading and writing at
     # once (24 layers of the 55 shape: 135.3 GB per step in 67.6 s)
-    # ZeRO-Cache's host update with the one-pass CPU AdamW (zero_cache.cpu_adam native) ran 2.8 G params/s
-    # there (scripts/bench_cpu_adam.py: bf16 gradient in, bf16 weights out, 64M-element slices on 16
-    # threads; 3.0 in training beside the device path); the other machines' figures scale the same ratio.
+    # ZeRO-Cache's host update with the one-pass CPU AdamW (zero_cache.cpu_adam native) ran 2.8-3.5 G
+    # params/s there (scripts/bench_cpu_adam.py: bf16 gradient in, bf16 weights out, 64M-element slices on
+    # 16 threads; 2.6-3.3 in training beside the device path); the other machines' figures scale the same
+    # ratio.
     # Host and NVMe as a fresh machine offers them: MemAvailable 125.4 GiB less the 3% ZeRO-Cache leaves,
     # plus the process (123.4); 64 GiB free on its disk
     "h200": Machine("h200", 1, 139.8, 123.4, 64.0, 55.0, 2.0, 150.0, 630.0, 4.2, 2.8),
