@@ -58,7 +58,11 @@ def build(compiler: Optional[str] = None) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+        try:
+            proc = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+        except OSError as e:
+            raise CpuAdamUnavailable(f"C compiler '{cc}' not found (set CC)" if isinstance(e, FileNotFoundError)
+                                     else f"C compiler '{cc}' did not run: {e}") from e
         if proc.returncode != 0:
             last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
             raise CpuAdamUnavailable(f"{cc} failed on {SOURCE.name}: {last}")

@@ -317,6 +317,15 @@ def test_unwritable_nvme_path_is_refused(tmp_path):
     check_one_line_error(proc, "is not writable", in_worker=True)
 
 
+def test_native_cpu_adam_without_a_compiler_is_refused(tmp_path):
+    """cpu_adam native where no C compiler runs: one line naming it, on every rank; nothing cached."""
+    proc = run_cli("train", "--size", "tiny", "--device", "cpu", "--nproc-per-node", 2, "optim.optimizer=zero_cache",
+                   "zero_cache.cpu_adam=native", env={"CC": str(tmp_path / "no-cc"), "ANGELGPT_CACHE": str(tmp_path)})
+    check_one_line_error(proc, f"zero_cache.cpu_adam=native cannot be built: C compiler '{tmp_path / 'no-cc'}' "
+                               "not found (set CC)", in_worker=True)
+    assert not list((tmp_path / "cpu_adam").glob("*")), "no half-built library left"
+
+
 def test_pinning_beyond_the_memlock_limit_is_refused():
     """With ulimit -l lowered to 64 KiB, an unprivileged process that must pin 64 MiB is refused with both
     numbers; the same within the limit, or with the limit lifted (privileged), passes."""
