@@ -100,8 +100,8 @@ class CpuAdam:
     def step(self, states: torch.Tensor, grad: torch.Tensor, out: Optional[torch.Tensor], *, step: int, lr: float,
              weight_decay: float, betas: Tuple[float, float], eps: float, coef: float) -> None:
         """One AdamW update of states [3, n] (fp32 master, exp_avg, exp_avg_sq; rows contiguous) from
-        grad [n] (bf16 or fp32) scaled by coef (clipping; >= 1 leaves it), writing the new weights in grad's dtype into out [n]:
-        a buffer of its own, grad itself (read before written), or None."""
+        grad [n] (bf16 or fp32) scaled by coef (clipping; >= 1 leaves it), writing the new weights in
+        grad's dtype into out [n]: a buffer of its own, grad itself (read before written), or None."""
         n = grad.numel()
         assert states.dtype == torch.float32 and states.shape[1] == n and states.stride(1) == 1
         assert grad.dtype in (torch.bfloat16, torch.float32) and grad.is_contiguous() and not grad.is_cuda
@@ -119,6 +119,7 @@ class CpuAdam:
         self._fn(states[0].data_ptr(), states[1].data_ptr(), states[2].data_ptr(), grad.data_ptr(),
                  int(grad.dtype == torch.bfloat16), 0 if out_kind != 1 else out.data_ptr(), out_kind, n,
                  1.0 - lr * weight_decay, betas[0], betas[1], lr / bc1, bc2_sqrt, eps, scale, self.threads)
+
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.data_ptr() < b.data_ptr() + b.nbytes and b.data_ptr() < a.data_ptr() + a.nbytes

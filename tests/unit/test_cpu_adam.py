@@ -1,6 +1,7 @@
 """The one-pass CPU AdamW kernel (zero_cache/cpu_adam.c) against torch's fused AdamW with the dtype
 conversions around it, and its build and fallback rules."""
 
+import os
 import shutil
 
 import pytest
@@ -26,10 +27,9 @@ def reference(states, grad, step, coef):
 
 @pytest.fixture(scope="module")
 def adam(tmp_path_factory):
-    import os
     os.environ["ANGELGPT_CACHE"] = str(tmp_path_factory.mktemp("cache"))
     try:
-        return CpuAdam(build(), threads=3)  # three threads: the slice splits unevenly
+        return CpuAdam(build(), threads=3)  # three threads taking five blocks, the last one partial
     finally:
         del os.environ["ANGELGPT_CACHE"]
 
@@ -37,7 +37,7 @@ def adam(tmp_path_factory):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("out_mode", ["buffer", "over_grad", "none"])
 def test_matches_torch_adamw(adam, dtype, out_mode):
-    n = 100_003  # not a multiple of any vector width
+    n = 300_007  # not a multiple of any vector width, nor of the 65,536-element block
     gen = torch.Generator().manual_seed(0)
     states = torch.randn(3, n, generator=gen)
     states[2].abs_()
