@@ -4,8 +4,9 @@
 #     -v /data:/data angelgpt angelgpt train --size 55
 FROM nvcr.io/nvidia/pytorch:25.10-py3
 
-ENV CUDA_DEVICE_MAX_CONNECTIONS=1 \
-    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+# no CUDA_DEVICE_MAX_CONNECTIONS here: the launcher sets 1 for Megatron's optimizers, and ZeRO-Cache
+# needs several hardware queues
+ENV PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
     PYTHONUNBUFFERED=1
 
 WORKDIR /opt/angelgpt

@@ -235,7 +235,11 @@ def train(
         _check_plan(cfg, nproc_per_node, nnodes, force)
     if dry_run:
         return
-    rc, why = launch.run(cmd, launch.worker_env(on_gpu, nproc_per_node, cfg.optim.optimizer))
+    env = launch.worker_env(on_gpu, nproc_per_node, cfg.optim.optimizer)
+    warning = launch.queue_warning(env, on_gpu, cfg.optim.optimizer)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
+    rc, why = launch.run(cmd, env)
     if rc == 2:
         raise SystemExit(2)
     if rc != 0:

@@ -51,6 +51,14 @@ def worker_env(on_gpu: bool, nproc_per_node: int, optimizer: str = "megatron") -
     return env
 
 
+def queue_warning(env: dict, on_gpu: bool, optimizer: str) -> Optional[str]:
+    """A warning line when the user's environment gives ZeRO-Cache one CUDA hardware work queue."""
+    if on_gpu and optimizer == "zero_cache" and env.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
+        return ("angelgpt: warning: CUDA_DEVICE_MAX_CONNECTIONS=1 gives ZeRO-Cache one hardware work queue, so "
+                "its transfer streams' waits hold up the compute queued behind them; unset it")
+    return None
+
+
 def format_command(cmd: List[str]) -> str:
     return " ".join(shlex.quote(c) for c in cmd)
 

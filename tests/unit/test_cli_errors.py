@@ -84,3 +84,9 @@ def test_worker_env_gives_zero_cache_several_hardware_queues(monkeypatch):
     monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
     assert "CUDA_DEVICE_MAX_CONNECTIONS" not in launch.worker_env(True, 1, "zero_cache")
     assert launch.worker_env(True, 1, "megatron")["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    assert launch.queue_warning(launch.worker_env(True, 1, "zero_cache"), True, "zero_cache") is None
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # the user's (or an image's) setting is kept, and named
+    env = launch.worker_env(True, 1, "zero_cache")
+    assert env["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    assert "CUDA_DEVICE_MAX_CONNECTIONS=1" in launch.queue_warning(env, True, "zero_cache")
+    assert launch.queue_warning(env, True, "megatron") is None and launch.queue_warning(env, False, "zero_cache") is None
