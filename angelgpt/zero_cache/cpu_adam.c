@@ -19,7 +19,7 @@ typedef struct {
     float *p, *m, *v;      /* [n] fp32 master weight, exp_avg, exp_avg_sq */
     void *g;               /* [n] gradient: bf16 when bf16, else fp32 */
     void *out;             /* [n] new weight in the gradient's dtype: out (out_kind 1), over g (2), none (0) */
-    int64_t lo, hi;        /* this thread's range */
+    int64_t lo, hi;        /* the block being updated */
     int bf16, out_kind;
     float decay, beta1, beta2, step_size, bc2_sqrt, eps, scale;
 } Job;

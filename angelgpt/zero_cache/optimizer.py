@@ -726,22 +726,24 @@ class ZeroCacheOptimizer:
             self.profile.exposed("step", time.perf_counter() - t0)
         return True, norm, None
 
-    def _adamw(self, c: Chunk, states: torch.Tensor, grad: torch.Tensor, hyper, coef: float, out=None) -> None:
-        """AdamW where the chunk lives, the new weights into out (model dtype) unless it is None. On the
-        CPU the one-pass kernel where it was built (every CPU update uses it: placements agree); else
-        torch's fused AdamW (fp32 gradient), clipping riding in the kernel (grad_scale divides the
-        gradient), so it costs no extra pass over memory."""
-        lr, wd = hyper[0 if c.decay else 1]
+    def _adamw(self, c: Chunk, states: torch.Tensor, grad: torch.Tensor, hyper, coef: float) -> None:
+        """AdamW where the chunk lives. On the CPU the one-pass kernel where it was built (every CPU
+        update uses it: placements agree); else torch's fused AdamW (fp32 gradient), clipping riding in
+        the kernel (grad_scale divides the gradient), so it costs no extra pass over memory."""
         if self.cpu_adam is not None and not grad.is_cuda:
-            self.cpu_adam.step(states, grad, out, step=int(c.step.item()), lr=lr, weight_decay=wd,
-                               betas=self.betas, eps=self.eps, coef=coef)
-            return
+            return self._native_adamw(c, states, grad, hyper, coef)
+        lr, wd = hyper[0 if c.decay else 1]
         scale = None if coef >= 1.0 else torch.full((), 1.0 / coef, dtype=torch.float32, device=grad.device)
         torch._fused_adamw_([states[0]], [grad], [states[1]], [states[2]], [], [c.step],
                             lr=lr, beta1=self.betas[0], beta2=self.betas[1],
                             weight_decay=wd, eps=self.eps, amsgrad=False, maximize=False, grad_scale=scale)
-        if out is not None:
-            out.copy_(states[0])
+
+    def _native_adamw(self, c: Chunk, states: torch.Tensor, grad: torch.Tensor, hyper, coef: float,
+                      out=None) -> None:
+        """The one-pass CPU kernel, the new weights into out (grad's dtype) unless it is None."""
+        lr, wd = hyper[0 if c.decay else 1]
+        self.cpu_adam.step(states, grad, out, step=int(c.step.item()), lr=lr, weight_decay=wd, betas=self.betas,
+                           eps=self.eps, coef=coef)
 
     def _update_on_device(self, c: Chunk, coef: float, hyper) -> None:
         c.step += 1
@@ -857,7 +859,7 @@ class ZeroCacheOptimizer:
         the gradient buffer itself) unless it is None."""
         t0 = time.perf_counter()
         if self.cpu_adam is not None:  # one pass: model-dtype gradient in, model-dtype weights out
-            self._adamw(c, states, c.grad[lo:hi], hyper, coef, out)
+            self._native_adamw(c, states, c.grad[lo:hi], hyper, coef, out)
             self.profile.busy("cpu_optimizer", time.perf_counter() - t0)
             return
         grad = self.scratch["host"][:hi - lo]
