@@ -575,16 +575,24 @@ class ZeroCacheOptimizer:
                 c, off = self.slot_of[id(p)]
                 c.grad[off:off + self._n(p)].copy_(g.reshape(-1))
             return
+        down = []
+        for p, g in grads:  # a device chunk's copy stays on the compute stream: its gradient is free at once,
+            c, off = self.slot_of[id(p)]  # not held until the D2H stream's queued copies have passed
+            if c.tier == "device":
+                c.grad[off:off + self._n(p)].copy_(g.reshape(-1))
+            else:
+                down.append((c, off, p, g))
+        if not down:
+            return
         produced = torch.cuda.current_stream(self.device).record_event()
         t0 = self.profile.start("d2h", self.streams.d2h)
         with torch.cuda.stream(self.streams.d2h):
             self.streams.d2h.wait_event(produced)
-            for p, g in grads:
-                c, off = self.slot_of[id(p)]
+            for c, off, p, g in down:
                 c.grad[off:off + self._n(p)].copy_(g.reshape(-1), non_blocking=True)
                 g.record_stream(self.streams.d2h)
-                self.profile.add_bytes("d2h", g.numel() * g.element_size() if c.tier != "device" else 0)
-            for c in self.chunks_of[gi]:
+                self.profile.add_bytes("d2h", g.numel() * g.element_size())
+            for c in {id(c): c for c, _, _, _ in down}.values():
                 c.grad_ready = self.streams.d2h.record_event()
         self.profile.stop("d2h", t0, self.streams.d2h)
 
@@ -656,9 +664,12 @@ class ZeroCacheOptimizer:
         for p, _, _ in host:
             self.slot_of[id(p)][0].grad_ready = done
 
-    def _drop_grad(self, p: torch.nn.Parameter) -> None:
-        if p.grad is not None and self.streams.cuda:
-            p.grad.record_stream(self.streams.d2h)
+    @staticmethod
+    def _drop_grad(p: torch.nn.Parameter) -> None:
+        """Releases the model's gradient. A transfer stream that reads it recorded itself where it was
+        queued (_to_owner, _accumulate); marking every gradient with the D2H stream kept a device
+        chunk's gradients, added on the compute stream, held until the D2H stream's queued round
+        trips had passed (most of the memory reserved over allocated at 11 layers)."""
         p.grad = None
 
     def _flush(self) -> None:
@@ -705,7 +716,7 @@ class ZeroCacheOptimizer:
         hyper = [(g["lr"], g["weight_decay"]) for g in self.param_groups]  # the scheduler moves on meanwhile
         after_backward = None
         if self.streams.cuda:
-            torch.cuda.current_stream(self.device).wait_stream(self.streams.d2h)  # device chunks' gradients
+            torch.cuda.current_stream(self.device).wait_stream(self.streams.d2h)  # host chunks' gradients are in
             after_backward = torch.cuda.current_stream(self.device).record_event()
         for gi in range(len(self.sub_groups)):
             for c in self.chunks_of[gi]:
