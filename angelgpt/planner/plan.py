@@ -429,12 +429,13 @@ def auto_plan(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int = 1, 
 
 
 # Accumulating in the store, the GPU memory that gradients on their way to the host hold after autograd
-# has let them go (the transfer streams still read them), which the caching allocator cannot hand out
-# again meanwhile: measured on the H200 at 11 layers of the 55 shape, 32 micro batches, memory reserved
-# ran 18.3 GiB over memory allocated; the placement planned at 125.5 GiB ran with no allocator retries
-# (6.95 s a step), the next one the chunks allow, 129.0 GiB, with 24 a step (each frees the cache and
-# synchronizes the device), 7.3 s. Counted in layers' gradients: six.
-STREAM_HELD_LAYERS = 6
+# has let them go (the H2D stream still reads them), which the caching allocator cannot hand out again
+# meanwhile, beyond what the plan's workspace and in-flight gradients already cover. Measured on the H200
+# (55 shape): at 11 layers, 32 micro batches, memory reserved peaked at 131.9 GiB against 132.5 planned
+# (rate 0.79, no allocator retries); at 19 layers, 16 micro batches, 137.5 against 135.3 (1-3 retries a
+# step). Counted in layers' gradients: two. (Before each gradient was held by the stream that reads it
+# alone, reserved ran 18.3 GiB over allocated at 11 layers and this was six.)
+STREAM_HELD_LAYERS = 2
 
 
 def stream_held_bytes(cfg: Config, dp: int) -> int:
