@@ -642,12 +642,13 @@ class ZeroCacheOptimizer:
         produced = torch.cuda.current_stream(self.device).record_event()
         t0 = self.profile.start("accumulate", h2d)
         with torch.cuda.stream(h2d):  # the sum so far comes up and the new gradients are added to it
-            h2d.wait_event(produced)
             for c in {id(c): c for c in (self.slot_of[id(p)][0] for p, _, _ in host)}.values():
                 if c.grad_ready is not None:
                     h2d.wait_event(c.grad_ready)  # the previous micro batch's sum has landed
+            for g, view, s, counted in pieces:  # while the layer's backward may still be running:
+                s.copy_(view, non_blocking=True)  # only the add waits for its gradients
+            h2d.wait_event(produced)
             for g, view, s, counted in pieces:
-                s.copy_(view, non_blocking=True)
                 s.add_(g)
                 g.record_stream(h2d)
                 if last and counted:
