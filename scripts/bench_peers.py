@@ -252,7 +252,10 @@ def report(args) -> int:
               "1.9B host parameters instead of 2.4B): 550.9 TFLOP/s (1.20x), 0.22-0.25 s of the 6.75 s step "
               "waiting for the host update; with 45% of the host states updated on the GPU instead of the "
               "planner's 56%, the two paths finish closer together (CPU 0.28-0.36 s, GPU 0.33-0.36 s against "
-              "0.23-0.26 and 0.38-0.39) and the wait is 0.18-0.20 s: 554.1 (1.21x, `-devupdate0.45`).",
+              "0.23-0.26 and 0.38-0.39) and the wait is 0.18-0.20 s: 554.1 (1.21x, commit 13cfc4f). With each host "
+              "chunk's running sum brought up to its device slot while the layer's backward runs (only the add "
+              "waits for the new gradients; commit e9390a2) the same case made 558.1 (1.22x, "
+              "`-devupdate0.45`).",
               "- (d) at its largest sizes: the activations fit only with recompute. With "
               "`model.recompute=auto` the planner keeps the last 5 of 19 layers' activations (Megatron's "
               "`block` recompute of the first 14), paying for them with states moved to the host (rate "
@@ -264,8 +267,15 @@ def report(args) -> int:
               "one-pass CPU AdamW the wait fell to 1.6-1.8 s: 401.6 TFLOP/s with 61% of the host states updated "
               "on the GPU (`peers-zero_cache-L19-mb2-gb32-recomputeauto-split0.61.json`, commit db6b14e), 393.8 "
               "with 45% (`-devupdate0.45`), so 0.74x. With gradients held only by the stream that reads them "
-              "(commit 536b499) the allocator retried 0-1 times a step instead of about 11, and the planner's "
-              "56% made 401.0 (its last steps 405.4 and 407.0; 408.8 would be 0.75x). The split hardly "
+              "(commit 536b499) the allocator retried 0-1 times a step instead of about 11: 401.0 at rate 0.44 "
+              "(8.86B host parameters). Each accumulation round trip then still waited for the layer's new "
+              "gradients before its running sum started up over PCIe (29 ms for a layer's 1.6 GB, longer than "
+              "the backward of a layer that keeps its activations), and the next round trips queued behind it; "
+              "with the sum brought up while the layer's backward runs and only the add waiting for the gradients "
+              "(commit e9390a2), the planner's placement (rate 0.42 now that it leaves two layers' room: 9.13B "
+              "host parameters, 124.2 GiB allocated, 137.3 reserved, 0-1 retries a step) made 422.4 TFLOP/s, "
+              "a 14.9 s step: 0.77x of (a)'s 545.1 (`peers-zero_cache-L19-mb2-gb32-recomputeauto.json`). "
+              "The wait for the host update is still 1.73-1.82 s of it. The split hardly "
               "matters: whatever it is, the two paths together move 124-128 GB/s through host memory (28 "
               "bytes a parameter on the CPU, 26 over PCIe, 8.86B host parameters in about 1.9 s), which bounds "
               "the update.",
@@ -306,7 +316,7 @@ def report(args) -> int:
               "(`accumulate-L19-offloaded-weights.json`, 244.9), device updates with two accumulation slots "
               "(`device-update-L19-two-slots.json`, 316.3); and 12 layers with offloaded weights fetched every "
               "micro batch (`zero_cache-L12-fetched-weights.json`, 369.9). What stays exposed at 19 layers is "
-              "the wait for the host update (1.6-1.8 s of a 15.7 s step; about 2.0 s before the one-pass CPU "
+              "the wait for the host update (1.7-1.8 s of a 14.9 s step; about 2.0 s before the one-pass CPU "
               "AdamW).",
               "- The profile's round-trip time runs from when a round trip is queued on the H2D stream, so it "
               "includes that stream's wait for the gradients of the layer still in backward; it is not PCIe "
