@@ -255,3 +255,26 @@ def test_a_layer_of_the_55_shape_is_three_chunks():
     cfg = resolve("h200-16b", overrides=["model.num_layers=2"])
     layer = [n for g, n in chunk_numels(rank_params(cfg), 1, 0) if g == 1]
     assert layer[:3] == [1 << 28] * 3 and len(layer) == 4 and layer[3] < 1 << 20, layer
+
+
+def test_auto_rate_leaves_the_transfer_streams_their_room_and_takes_the_largest_that_does():
+    """Accumulating in the store at 11 layers of the 55 shape (32 micro batches, no recompute), 'auto'
+    takes the placement with the most states on the GPU whose margin still holds STREAM_HELD_LAYERS
+    layers' gradients (measured on the H200: that placement, rate 0.79, reserved 131.9 GiB against
+    132.5 planned, with no allocator retries); the next placement up does not leave that room."""
+    from angelgpt.planner.plan import STREAM_HELD_LAYERS, plan_zero_cache, stream_held_bytes, sub_group_numels
+
+    cfg = resolve("h200-16b", overrides=["model.num_layers=11", "model.recompute=none", "train.micro_batch_size=1",
+                                         "train.global_batch_size=32", "zero_cache.accumulate_in_store=true"])
+    hw = MACHINES["h200"]
+    room = stream_held_bytes(cfg, 1)
+    layer = max(n for g, n in sub_group_numels(rank_params(cfg, 0)).items() if 0 < g <= 11)
+    assert room == STREAM_HELD_LAYERS * layer * 2 > 0
+    auto = auto_plan(cfg, hw)
+    assert auto.fits and auto.margin["gpu"] >= room, auto
+    up = [plan_zero_cache(cfg, hw, rate=r / 100) for r in range(round(auto.rate * 100) + 1, 101)]
+    bigger = next(p for p in up if p.gpu_bytes["cached_states"] > auto.gpu_bytes["cached_states"])
+    assert bigger.margin["gpu"] < room, bigger
+    # accumulating on the GPU instead, no room is left (its gradients are counted in the plan)
+    on_gpu = replace(cfg, zero_cache=replace(cfg.zero_cache, accumulate_in_store=False))
+    assert stream_held_bytes(on_gpu, 1) == 0
