@@ -575,9 +575,11 @@ class ZeroCacheOptimizer:
                 c, off = self.slot_of[id(p)]
                 c.grad[off:off + self._n(p)].copy_(g.reshape(-1))
             return
+        # a device chunk's copy stays on the compute stream, so its gradient is free at once rather than
+        # held until the D2H stream's queued copies have passed
         down = []
-        for p, g in grads:  # a device chunk's copy stays on the compute stream: its gradient is free at once,
-            c, off = self.slot_of[id(p)]  # not held until the D2H stream's queued copies have passed
+        for p, g in grads:
+            c, off = self.slot_of[id(p)]
             if c.tier == "device":
                 c.grad[off:off + self._n(p)].copy_(g.reshape(-1))
             else:
