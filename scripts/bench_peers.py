@@ -234,7 +234,7 @@ def report(args) -> int:
               "- Recompute: every system may pick its micro batch and `model.recompute` (the preset recomputes "
               "every layer). Where GPU memory allows, no recompute is faster for all of them: at 7 layers (a) "
               "made 545.1 TFLOP/s (micro batch 2; 446.1 with recompute) and (d) 584.4; at 11 layers (b) made "
-              "458.6 (micro batch 1, offload fraction 0.5; 388.4 with recompute) and (d) 554.1. The speed "
+              "458.6 (micro batch 1, offload fraction 0.5; 388.4 with recompute) and (d) 558.1. The speed "
               "ratios take each system's fastest run at a size.",
               "- (d)/(b) at 11 layers needs 550 TFLOP/s (a 6.75 s step). The host update starts once backward "
               "has given the global norm (clipping needs it) and the next micro batch reaches the host layers "
