@@ -433,8 +433,8 @@ def auto_plan(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int = 1, 
 # meanwhile, beyond what the plan's workspace and in-flight gradients already cover. Measured on the H200
 # (55 shape): at 11 layers, 32 micro batches, memory reserved peaked at 131.9 GiB against 132.5 planned
 # (rate 0.79, no allocator retries); at 19 layers, 16 micro batches, 137.3 against 135.3 (rate 0.42, 0-1
-# retries a step). Counted in layers' gradients: two. (Before each gradient was held by the stream that reads it
-# alone, reserved ran 18.3 GiB over allocated at 11 layers and this was six.)
+# retries a step). Counted in layers' gradients: two. (While every released gradient was also marked with
+# the D2H stream, reserved ran 18.3 GiB over allocated at 11 layers and this was six.)
 STREAM_HELD_LAYERS = 2
 
 

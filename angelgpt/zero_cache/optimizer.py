@@ -524,8 +524,8 @@ class ZeroCacheOptimizer:
             self._to_owner(gi, [(p, p.grad if p.grad is not None else
                                  torch.zeros(self.shape[id(p)], dtype=self.model_dtype, device=self.device))
                                 for p in group], first, last)
-            for p in group:
-                self._drop_grad(p)
+            for p in group:  # a stream that reads it recorded itself there (_to_owner, _accumulate)
+                p.grad = None
             return
         per_rank, seg = self.layouts[gi]
         flat = torch.zeros(self.dp_size * seg, dtype=torch.float32, device=self.device)
@@ -535,8 +535,8 @@ class ZeroCacheOptimizer:
                 if p.grad is not None:
                     flat[off:off + self._n(p)].copy_(p.grad.reshape(-1))
                 off += self._n(p)
-        for p in group:
-            self._drop_grad(p)
+        for p in group:  # copied into flat on this stream
+            p.grad = None
         t0 = self.profile.start("reduce_scatter")
         if self.use_reduce_scatter:
             mine = torch.empty(seg, dtype=torch.float32, device=self.device)
@@ -608,10 +608,7 @@ class ZeroCacheOptimizer:
         for p, g in grads:
             c, off = self.slot_of[id(p)]
             view = c.grad[off:off + self._n(p)]
-            if c.tier == "device":
-                if c.grad_ready is not None:  # the first micro batch's copy (D2H stream) has landed
-                    torch.cuda.current_stream(self.device).wait_event(c.grad_ready)
-                    c.grad_ready = None
+            if c.tier == "device":  # its first micro batch was copied on this stream too
                 view.add_(g.reshape(-1))
                 if last and param_is_not_tensor_parallel_duplicate(p):
                     self._sq += torch.linalg.vector_norm(view, dtype=torch.float32).square()
@@ -666,14 +663,6 @@ class ZeroCacheOptimizer:
         self._acc_free[i] = done
         for p, _, _ in host:
             self.slot_of[id(p)][0].grad_ready = done
-
-    @staticmethod
-    def _drop_grad(p: torch.nn.Parameter) -> None:
-        """Releases the model's gradient. A transfer stream that reads it recorded itself where it was
-        queued (_to_owner, _accumulate); marking every gradient with the D2H stream kept a device
-        chunk's gradients, added on the compute stream, held until the D2H stream's queued round
-        trips had passed (most of the memory reserved over allocated at 11 layers)."""
-        p.grad = None
 
     def _flush(self) -> None:
         """Offloads what no hook offloaded (a parameter without a gradient, a partial last micro batch)."""
