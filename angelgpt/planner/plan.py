@@ -250,10 +250,16 @@ def _recompute_choice(plan_fn):
     return planned
 
 
+def shortfall(p: SystemPlan) -> int:
+    """Bytes a plan is short of, over every resource it is short of (0 when it fits)."""
+    return -sum(min(0, v) for v in p.margin.values())
+
+
 def _pick(plans):
-    """Of the plans for each choice, the fastest that fits (the first on a tie), else the last."""
+    """Of the plans for each choice, the fastest that fits (the first on a tie), else the one closest to
+    fitting (least short of, the first on a tie)."""
     fitting = [p for p in plans if p.fits]
-    return min(fitting, key=lambda p: p.step_time_s) if fitting else plans[-1]
+    return min(fitting, key=lambda p: p.step_time_s) if fitting else min(plans, key=shortfall)
 
 
 def _resolve_auto(cfg: Config, dp: int, plan_fn) -> Optional[SystemPlan]:
@@ -265,7 +271,7 @@ def _resolve_auto(cfg: Config, dp: int, plan_fn) -> Optional[SystemPlan]:
     tries = _resident_first(cfg, dp)
     if tries:
         resident = plan_fn(tries[0])
-        return resident if resident.fits else plan_fn(tries[1])
+        return resident if resident.fits else _pick([resident, plan_fn(tries[1])])
     return None
 
 
@@ -410,13 +416,16 @@ def plan_zero_cache(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int
 @_recompute_choice
 def auto_plan(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int = 1, nvme: bool = False) -> SystemPlan:
     """The largest prefetch_cache_sub_group_rate (in steps of 0.01) that fits; states on GPU are updated
-    30x faster than on the CPU and cross no PCIe, so more on the GPU is faster while it fits."""
+    30x faster than on the CPU and cross no PCIe, so more on the GPU is faster while it fits. Where no
+    rate fits, the one closest to fitting (least short of; the largest on a tie), so that the plan and
+    a refusal say how far the configuration is from fitting rather than how far its smallest rate is."""
     resolved = _resolve_auto(cfg, _world(cfg, gpus_per_node, nodes)[1],
                              lambda c: auto_plan(c, hw, gpus_per_node, nodes, nvme))
     if resolved:
         return resolved
     room = stream_held_bytes(cfg, _world(cfg, gpus_per_node, nodes)[1])
     fitting = None  # the largest rate that fits, taken when no rate leaves the transfer streams their room
+    closest = None
     for i in range(100, -1, -1):
         p = plan_zero_cache(cfg, hw, gpus_per_node, nodes, rate=i / 100, nvme=nvme)
         if p.fits and p.margin["gpu"] >= room:
@@ -425,7 +434,9 @@ def auto_plan(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int = 1, 
             fitting = fitting or p
         elif fitting:  # below the rates that fit: lower ones only move more states off the device
             break
-    return fitting or p
+        if closest is None or shortfall(p) < shortfall(closest):
+            closest = p
+    return fitting or closest
 
 
 # Accumulating in the store, the GPU memory that gradients on their way to the host hold after autograd

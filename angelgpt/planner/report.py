@@ -37,7 +37,9 @@ def render(cfg, hw: Machine, gpus_per_node: int, nodes: int, plans: Dict[str, Sy
             ["accumulate_in_store"] if p.accumulate_in_store else [])
         title = name + (f" ({', '.join(chosen)})" if chosen else "")
         verdict = "fits" if p.fits else "DOES NOT FIT"
-        short = [k for k, v in p.margin.items() if v < 0]
+        short = [f"{k} by {-v / GIB:.2f} GiB" for k, v in p.margin.items() if v < 0]
+        if short and name == "zero_cache" and cfg.zero_cache.prefetch_cache_sub_group_rate == "auto":
+            short.append("no rate fits; the closest shown")
         lines += ["", f"== {title}: {verdict}" + (f" (short of {', '.join(short)})" if short else "")]
         lines.append("  GPU per rank:")
         lines += [f"    {k:<24}{_gib(v)}" for k, v in p.gpu_bytes.items() if v]

@@ -278,3 +278,26 @@ def test_auto_rate_leaves_the_transfer_streams_their_room_and_takes_the_largest_
     # accumulating on the GPU instead, no room is left (its gradients are counted in the plan)
     on_gpu = replace(cfg, zero_cache=replace(cfg.zero_cache, accumulate_in_store=False))
     assert stream_held_bytes(on_gpu, 1) == 0
+
+
+def test_where_no_rate_fits_the_plan_is_the_closest_and_says_by_how_much():
+    """20 layers of the 55 shape at global batch 32 on one H200 (micro batches added up in the store) fit
+    at no rate: 'auto' answers with the placement least short of memory, not with its smallest rate (at
+    rate 0 it is short by over 90 GiB), and `angelgpt plan` prints the shortfall in GiB."""
+    from angelgpt.planner.plan import plan_zero_cache, shortfall
+
+    overrides = ["model.num_layers=20", "train.global_batch_size=32", "zero_cache.accumulate_in_store=true"]
+    cfg, hw = resolve("h200-16b", overrides=overrides), MACHINES["h200"]
+    auto = auto_plan(cfg, hw)
+    assert not auto.fits and 0 < shortfall(auto) < 8 * GIB, auto.margin
+    for offload in ("false", "true"):
+        fixed = resolve("h200-16b", overrides=[*overrides, f"zero_cache.offload_params={offload}"])
+        plans = [plan_zero_cache(fixed, hw, rate=r / 100) for r in range(101)]
+        assert not any(p.fits for p in plans)
+        assert shortfall(auto) <= min(shortfall(p) for p in plans)
+    assert shortfall(plan_zero_cache(cfg, hw, rate=0.0)) > 90 * GIB
+    out = run_cli("plan", "--size", "h200-16b", *overrides)
+    assert out.returncode == 0, out.stderr
+    header = next(line for line in out.stdout.splitlines() if line.startswith("== zero_cache"))
+    assert f"prefetch_cache_sub_group_rate {auto.rate:.2f}" in header and "DOES NOT FIT" in header, header
+    assert "no rate fits; the closest shown" in header and "GiB" in header, header
