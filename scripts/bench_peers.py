@@ -102,7 +102,7 @@ def load_results():
         out.append(dict(file=f.name, system=system, layers=layers, ok=r["returncode"] == 0 and steps >= 3,
                         params=None, tflops=r.get("tflops_per_gpu_median"), tokens=r.get("tokens_per_s_median"),
                         gpu=r.get("peak_gpu_gib"), host=r.get("peak_host_gib"), oom=r.get("oom"),
-                        oom_kind=r.get("oom_kind"),
+                        oom_kind=r.get("oom_kind"), refused=r.get("refused"),
                         commit=r.get("commit", "")[:10], steps=steps, mb=mb, gb=gb, profile=profile,
                         step_ms=r.get("elapsed_ms_median"), settings=settings(r.get("command", ""))))
     return out
@@ -122,6 +122,13 @@ def settings(command: str) -> str:
         elif key.startswith("deepspeed."):  # scripts/bench_deepspeed.py's own keys
             found[key.removeprefix("deepspeed.").removeprefix("zero_optimization.")] = value
     return ", ".join(f"{k}={v}" for k, v in found.items()) or "-"
+
+
+def outcome(r) -> str:
+    """Why a run completed no step, for the runs table: out of memory, or refused by the planner."""
+    if r["refused"]:
+        return f" (refused: {r['refused']})"
+    return f" (OOM: {r['oom_kind'] or 'gpu'})" if r["oom"] else ""
 
 
 def report(args) -> int:
@@ -146,7 +153,7 @@ def report(args) -> int:
         fmt = lambda v, f: (f.format(v) if v is not None else "-")  # noqa: E731
         lines.append(f"| {LABEL.get(r['system'], r['system'])} | {r['layers']} | {r['params'] / 1e9:.2f}B | "
                      f"{r['mb']} / {r['gb']} | {r['settings']} | "
-                     f"{r['steps']}{' (OOM: ' + (r['oom_kind'] or 'gpu') + ')' if r['oom'] else ''} | {fmt(r['tflops'], '{:.1f}')} | "
+                     f"{r['steps']}{outcome(r)} | {fmt(r['tflops'], '{:.1f}')} | "
                      f"{fmt(r['tokens'], '{:,.0f}')} | {fmt(r['gpu'], '{:.1f}')} | {fmt(r['host'], '{:.1f}')} | "
                      f"`{r['file']}` |")
     lines += ["", "## Largest model that completes 3 optimizer steps", "",
@@ -158,7 +165,9 @@ def report(args) -> int:
             continue
         bigger = [r for r in rows if r["system"] == system and r["layers"] > b["layers"]]
         nxt = min(bigger, key=lambda r: r["layers"]) if bigger else None
-        why = (f"{nxt['layers']} layers ran out of {nxt['oom_kind'] or 'GPU'} memory (micro batch {nxt['mb']}"
+        ended = (f"were refused before launch, {nxt['refused']}" if nxt and nxt["refused"]
+                 else f"ran out of {nxt['oom_kind'] or 'GPU'} memory" if nxt else "")
+        why = (f"{nxt['layers']} layers {ended} (micro batch {nxt['mb']}"
                f"{', ' + nxt['settings'] if nxt['settings'] != '-' else ''})" if nxt and nxt["oom"]
                else "not tried: the largest size is not established")
         lines.append(f"| {LABEL[system]} | {b['layers']} | {b['params'] / 1e9:.2f}B | {why} |")

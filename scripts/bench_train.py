@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import shlex
 import statistics
 import subprocess
@@ -70,6 +71,22 @@ def predicted(size: str, overrides, machine_info: dict) -> dict:
             "bottleneck": p.bottleneck, "fits": p.fits, "accumulate_in_store": p.accumulate_in_store,
             "device_update_fraction": p.device_update_fraction, "recompute": p.recompute_label(),
             "chunk_numel": CHUNK}
+
+
+def failure(tail: str, returncode: int) -> dict:
+    """Why a run completed no step, from the end of its output: oom (out of memory, or refused before
+    launch because the planner found memory short), oom_kind ('gpu', 'host', 'gpu and host') and, for a
+    refusal, what was short ("short of gpu by 4.28 GiB, host by 1.42 GiB")."""
+    refused = re.search(r"does not fit \(\w+: short of ([^)]*)\)", tail)
+    short = [k for k in ("gpu", "host") if refused and f"{k} by" in refused.group(1)]
+    gpu_oom = "out of memory" in tail.lower() or "do not fit" in tail
+    # the kernel's OOM killer: torchrun reports it, a process run directly dies of signal 9
+    host_oom = "Signal 9 (SIGKILL)" in tail or "killed by SIGKILL" in tail or returncode == -9
+    out = {"oom": bool(short) or gpu_oom or host_oom,
+           "oom_kind": " and ".join(short) if short else "gpu" if gpu_oom else "host" if host_oom else None}
+    if refused:
+        out["refused"] = "short of " + refused.group(1)
+    return out
 
 
 def main() -> int:
@@ -130,12 +147,7 @@ def main() -> int:
         result["oom"] = False
     else:
         tail = proc.stdout[-20000:] + proc.stderr[-20000:]
-        gpu_oom = "out of memory" in tail.lower() or "do not fit" in tail
-        # the kernel's OOM killer: torchrun reports it, a process run directly dies of signal 9
-        host_oom = "Signal 9 (SIGKILL)" in tail or "killed by SIGKILL" in tail or proc.returncode == -9
-        result["oom"] = gpu_oom or host_oom
-        result["oom_kind"] = "gpu" if gpu_oom else "host" if host_oom else None
-        result["log_tail"] = tail[-4000:]
+        result.update(failure(tail, proc.returncode), log_tail=tail[-4000:])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{args.name}.json"

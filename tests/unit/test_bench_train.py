@@ -1,0 +1,31 @@
+"""scripts/bench_train.py reads why a run completed no step from the run's own output: here the
+launcher's real refusal of a configuration the planner finds short of memory."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from angelgpt.cli import app
+from angelgpt.config import resolve
+from scripts.bench_train import failure
+
+
+def test_a_refusal_before_launch_is_recorded_with_what_was_short(monkeypatch, capsys):
+    # the launcher's check reads the GPU's size from CUDA; this machine has none, so it is given an H200's
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=150_117_965_824))
+    cfg = resolve("h200-16b", overrides=["model.num_layers=20", "train.global_batch_size=32"])
+    with pytest.raises(SystemExit) as exit_:
+        app._check_plan(cfg, 1, 1, force=False)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    got = failure(err, 2)
+    assert got["oom"] and got["oom_kind"] in ("gpu and host", "host", "gpu"), (got, err)
+    assert got["refused"].startswith("short of ") and "GiB" in got["refused"] and got["refused"] in err
+
+
+def test_out_of_memory_and_the_oom_killer_are_told_apart():
+    assert failure("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", 1) == \
+        {"oom": True, "oom_kind": "gpu"}
+    assert failure("worker exited: Signal 9 (SIGKILL) received by PID 4242", 1) == {"oom": True, "oom_kind": "host"}
+    assert failure("ValueError: something else", 1) == {"oom": False, "oom_kind": None}
