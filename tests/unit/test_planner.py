@@ -157,7 +157,9 @@ def test_device_updates_take_their_share_of_host_chunks_interleaved():
                                          "zero_cache.accumulate_in_store=true", "train.micro_batch_size=2",
                                          "train.global_batch_size=32"])
     p = auto_plan(cfg, MACHINES["h200"])
-    assert 0.5 < p.device_update_fraction < 0.7  # 2.55 G params/s on the device path, 1.65 on the CPU beside it
+    # 2.55 G params/s on the device path, 3.5 on the CPU beside it (measured: 0.45 beat 0.56 at this size,
+    # the device path still the longer of the two)
+    assert 0.38 < p.device_update_fraction < 0.45
     off = auto_plan(resolve("h200-16b", overrides=["model.num_layers=19", "optim.optimizer=zero_cache",
                                                    "zero_cache.accumulate_in_store=true", "train.micro_batch_size=2",
                                                    "train.global_batch_size=32", "zero_cache.device_update_fraction=0.0"]),
