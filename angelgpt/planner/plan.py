@@ -62,7 +62,7 @@ MACHINES: Dict[str, Machine] = {
     # once (24 layers of the 55 shape: 135.3 GB per step in 67.6 s)
     # ZeRO-Cache's host update with the one-pass CPU AdamW (zero_cache.cpu_adam native) ran 2.8-3.5 G
     # params/s there (scripts/bench_cpu_adam.py: bf16 gradient in, bf16 weights out, 64M-element slices on
-    # 16 threads; 2.6-3.3 in training beside the device path); the other machines' figures scale the same
+    # 16 threads; 3.0-3.8 in training beside the device path); the other machines' figures scale the same
     # ratio.
     # Host and NVMe as a fresh machine offers them: MemAvailable 125.4 GiB less the 3% ZeRO-Cache leaves,
     # plus the process (123.4); 64 GiB free on its disk
@@ -82,7 +82,7 @@ MACHINES: Dict[str, Machine] = {
 # machine: 0.45 on the GPU made 421.0 model TFLOP/s against 414.3 at 0.56, the device path still the
 # longer of the two (1.69 against 1.34 s)
 DEVICE_UPDATE_PER_PCIE_GBS = 2.55 / 55.0
-CPU_UPDATE_SHARED = 1.25
+CPU_BESIDE_DEVICE_UPDATE = 1.25
 # zero_cache.cpu_adam torch (fp32 gradient scratch, torch's fused AdamW, weights converted back) against
 # the one-pass kernel, same benchmark: 2.09 against 2.81 G params/s
 TORCH_CPU_UPDATE = 0.74
@@ -91,7 +91,7 @@ TORCH_CPU_UPDATE = 0.74
 def host_update_rates(hw: Machine, gpus_per_node: int, cpu_adam: str = "auto"):
     """Parameters/s per GPU of the host update: (CPU alone, CPU beside device updates, device path)."""
     cpu = hw.cpu_update_gparams * 1e9 / gpus_per_node * (TORCH_CPU_UPDATE if cpu_adam == "torch" else 1.0)
-    return cpu, cpu * CPU_UPDATE_SHARED, hw.pcie_gbs * DEVICE_UPDATE_PER_PCIE_GBS * 1e9
+    return cpu, cpu * CPU_BESIDE_DEVICE_UPDATE, hw.pcie_gbs * DEVICE_UPDATE_PER_PCIE_GBS * 1e9
 
 
 def activation_bytes(cfg: Config, recompute: Optional[bool] = None) -> int:
