@@ -268,7 +268,7 @@ def report(args) -> int:
               "`model.recompute=auto` the planner keeps the last 5 of 19 layers' activations (Megatron's "
               "`block` recompute of the first 14), paying for them with states moved to the host (rate "
               "0.42): 395.7 TFLOP/s against 385.2 recomputing every layer with the same code (rate 0.44) and "
-              "393.6 at commit ef6f814 (rate 0.46, one chunk per layer), so 0.73x of (a)'s 545.1 (goal "
+              "393.6 at commit ef6f814 (rate 0.46, one chunk per layer), so 0.73x of the 545.1 (a) made on that machine (the earlier version of its result file; goal "
               "0.75x). The planner expected 14.4 s, the run took 15.9 s: the layers that keep their "
               "activations are the host-resident ones, whose shorter backward now leaves less time for their "
               "gradients' round trips over PCIe, and the wait for the host update stays about 2.0 s. With the "
