@@ -570,17 +570,12 @@ class ZeroCacheOptimizer:
         for p, g in grads:
             if last and param_is_not_tensor_parallel_duplicate(p):
                 self._sq += torch.linalg.vector_norm(g, dtype=torch.float32).square()
-        if not self.streams.cuda:
-            for p, g in grads:
-                c, off = self.slot_of[id(p)]
-                c.grad[off:off + self._n(p)].copy_(g.reshape(-1))
-            return
-        # a device chunk's copy stays on the compute stream, so its gradient is free at once rather than
-        # held until the D2H stream's queued copies have passed
+        # copied here without CUDA streams; a device chunk's copy stays on the compute stream too, so its
+        # gradient is free at once rather than held until the D2H stream's queued copies have passed
         down = []
         for p, g in grads:
             c, off = self.slot_of[id(p)]
-            if c.tier == "device":
+            if not self.streams.cuda or c.tier == "device":
                 c.grad[off:off + self._n(p)].copy_(g.reshape(-1))
             else:
                 down.append((c, off, p, g))
