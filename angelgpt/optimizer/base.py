@@ -1,0 +1,82 @@
+"""`Optimizer`: what the training loop, checkpoints and the worker ask of an optimizer (in the spirit
+of Megatron's `MegatronOptimizer` and torchtitan's `OptimizersContainer`), with defaults where an
+optimizer has nothing to say.
+
+    ok, grad_norm, _ = optimizer.step()        # False: a non-finite norm, the step skipped
+    optimizer.zero_grad()                      # before the next forward-backward
+    with optimizer.materialized():             # weights readable in place (checkpoint save and load)
+        sd = optimizer.sharded_state_dict(model.sharded_state_dict(), is_loading=False)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from typing import Dict, List, Optional, Tuple
+
+
+def no_weight_decay(name: str, param) -> bool:
+    """Biases and 1-D parameters (norms) take no weight decay, as in Megatron."""
+    return name.endswith(".bias") or param.ndim == 1
+
+
+def clip_coefficient(norm: float, clip_grad: float) -> float:
+    """Scale for gradients so their global norm is at most clip_grad (as Megatron and torch clip)."""
+    return min(1.0, clip_grad / (norm + 1.0e-6)) if clip_grad > 0 else 1.0
+
+
+class Optimizer(ABC):
+    """One interface for every optimizer angelgpt trains with."""
+
+    #: checkpoint keys carry the layer number (a layer's tensors saved one by one rather than stacked
+    #: along Megatron's layer axis); optimizers whose state is per parameter of a layer say True
+    per_layer_checkpoint_keys: bool = False
+
+    @property
+    @abstractmethod
+    def param_groups(self) -> List[dict]:
+        """The parameter groups the LR scheduler sets 'lr' and 'weight_decay' in."""
+
+    @abstractmethod
+    def step(self) -> Tuple[bool, float, Optional[int]]:
+        """One update from the accumulated gradients: (applied, global gradient norm, zeros counted or None).
+        A non-finite norm leaves the weights alone and returns False."""
+
+    @abstractmethod
+    def zero_grad(self) -> None:
+        """Forget the gradients before the next step's micro batches."""
+
+    @abstractmethod
+    def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False) -> dict:
+        """The optimizer state as Megatron dist_checkpointing sharded tensors, keyed against the model's."""
+
+    @abstractmethod
+    def load_state_dict(self, state: dict) -> None:
+        """Takes what dist_checkpointing loaded for sharded_state_dict(..., is_loading=True)."""
+
+    def materialized(self):
+        """A context in which every weight is an ordinary readable tensor (offloading optimizers bring
+        theirs back for a checkpoint); nothing to do by default."""
+        return contextlib.nullcontext()
+
+    def wait(self) -> None:
+        """Every update started is applied (before an evaluation, a checkpoint or the end)."""
+
+    def close(self) -> None:
+        """Release threads, pinned memory and files; the optimizer is not used after."""
+
+    def summary(self) -> Optional[str]:
+        """One line printed once after building: where the states went, what updates them."""
+        return None
+
+    def profile_record(self) -> Optional[dict]:
+        """The last iteration's transfer and update times, when profiling is on (for the metrics file)."""
+        return None
+
+    def profile_line(self) -> Optional[str]:
+        """profile_record() as one printable line."""
+        return None
+
+    def memory(self) -> Dict[str, int]:
+        """Bytes the optimizer itself holds, per tier ('device', 'host', 'nvme')."""
+        return {}
