@@ -429,6 +429,10 @@ class Config:
                  f"train.micro_batch_size x data-parallel size ({self.train.micro_batch_size} x {dp} = {per_step})")
         return dp
 
+    def num_microbatches(self, dp: int) -> int:
+        """Micro batches each data-parallel rank runs per optimizer step."""
+        return self.train.global_batch_size // (self.train.micro_batch_size * dp)
+
     def check_device(self, on_gpu: bool) -> None:
         """Refuses what this build cannot run on the chosen device."""
         if not on_gpu:

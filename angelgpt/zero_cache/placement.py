@@ -18,6 +18,8 @@ CHUNK = int(os.environ.get("ANGELGPT_ZERO_CACHE_CHUNK", 1 << 28))
 # device slots that host chunks' running sums make their round trips through (accumulate_in_store): one
 # more than two lets a slot's trip home overlap the next layer's backward
 ACCUMULATION_SLOTS = 3
+# of the device's memory, left free against fragmentation (the planner's margin and the optimizer's check)
+GPU_HEADROOM = 0.03
 
 
 def slices(numel: int, size: int = SLICE):
@@ -109,6 +111,17 @@ def prefetch_depth(layer_numel: int, prefetch_bucket_size: int, max_live_paramet
     if caps:
         depth = min(depth, min(caps) // max(1, layer_numel) - 1)
     return max(0, depth)
+
+
+def training_reserve(beside_store: int, largest_group: int, grad_bytes: int, offloaded: bool, model_numel: int,
+                     accumulating_on_device: bool, depth: int) -> int:
+    """Device bytes training needs beside the store and the resident weights: what the caller counts
+    (activations and workspace, `beside_store`), the gradients (every parameter's while micro batches
+    add up on the device, else the two largest sub-groups' in flight), and, with offloaded layers, the
+    one in use, those prefetched (`depth`) and one autograd has not freed yet."""
+    fetched = (2 + depth) * largest_group * grad_bytes if offloaded else 0
+    grads = model_numel * grad_bytes if accumulating_on_device else 2 * largest_group * grad_bytes
+    return beside_store + grads + fetched
 
 
 def offloaded_layers(chunk_groups: List[int], tiers: List[str], n_groups: int, enabled: bool) -> List[bool]:
