@@ -10,6 +10,7 @@ A YAML section written as a scalar (``data: mock``) sets that section's first fi
 from __future__ import annotations
 
 import dataclasses
+import importlib.resources
 import math
 import typing
 from pathlib import Path
@@ -19,7 +20,8 @@ import yaml
 
 from angelgpt.config.schema import SECTIONS, Config, ConfigError
 
-PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "presets"
+# package data (pyproject's package-data), so a wheel or a non-editable install carries the presets
+PRESET_DIR = Path(str(importlib.resources.files("angelgpt.config") / "presets"))
 CUSTOM = "custom"
 
 
