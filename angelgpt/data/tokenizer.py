@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from angelgpt.config import ConfigError
+from angelgpt.data.sources import FORMATS, load_source
 
 MODEL_FILE = "tokenizer.model"
 SETTINGS_FILE = "tokenizer.json"
@@ -103,8 +104,6 @@ def train_tokenizer(inputs: List[str], output: str, vocab_size: int = 32000, mod
     fallback, no dummy prefix, whitespace kept) and writes tokenizer.model and tokenizer.json."""
     import sentencepiece as spm
 
-    from angelgpt.data.prepare import FORMATS, _load
-
     if model_type not in ("bpe", "unigram"):
         raise ConfigError(f"--model-type must be 'bpe' or 'unigram', got '{model_type}'")
     if vocab_size < 260:
@@ -120,7 +119,7 @@ def train_tokenizer(inputs: List[str], output: str, vocab_size: int = 32000, mod
                 raise ConfigError(f"--input: no such file: {spec}")
             if Path(spec).suffix.lower() not in FORMATS:
                 raise ConfigError(f"--input: unsupported file type '{Path(spec).suffix}'; use {', '.join(FORMATS)}")
-            ds, _ = _load(spec, "train", scratch)
+            ds, _ = load_source(spec, "train", scratch)
             if text_key not in ds.column_names:
                 raise ConfigError(f"--text-key: column '{text_key}' not in {spec}")
             text_file = scratch / f"text{len(files)}.txt"
