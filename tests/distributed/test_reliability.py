@@ -10,8 +10,7 @@ import time
 import psutil
 import pytest
 
-from tests.conftest import ROOT, read_metrics, run_cli, train_tiny
-from tests.unit.test_cli_errors import check_one_line_error
+from tests.helpers import ROOT, check_one_line_error, read_metrics, run_cli, train_tiny
 
 pytestmark = pytest.mark.distributed
 WIDER = ["model.num_layers=4", "model.hidden_size=256"]  # a few MB per checkpoint: saves take a while

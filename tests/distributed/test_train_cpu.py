@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from tests.conftest import train_tiny
+from tests.helpers import train_tiny
 
 pytestmark = pytest.mark.distributed
 

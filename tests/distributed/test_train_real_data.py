@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from tests.conftest import train_tiny
+from tests.helpers import train_tiny
 
 pytestmark = pytest.mark.distributed
 

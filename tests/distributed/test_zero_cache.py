@@ -16,8 +16,7 @@ import pytest
 from angelgpt.config import resolve
 from angelgpt.planner.plan import rank_tier_bytes
 from angelgpt.zero_cache import placement
-from tests.conftest import ROOT, run_cli, train_tiny
-from tests.unit.test_cli_errors import check_one_line_error
+from tests.helpers import ROOT, check_one_line_error, run_cli, train_tiny
 
 pytestmark = pytest.mark.distributed
 CHECK = Path(__file__).with_name("zero_cache_adamw_check.py")

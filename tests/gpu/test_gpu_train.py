@@ -10,7 +10,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 def test_tiny_trains_on_gpu(tmp_path):
     metrics = tmp_path / "gpu.jsonl"
-    from tests.conftest import read_metrics, run_cli
+    from tests.helpers import read_metrics, run_cli
 
     proc = run_cli("train", "--size", "tiny", "--device", "cuda", "--metrics-file", metrics, "logging.log_interval=1")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -24,7 +24,7 @@ def test_zero_cache_checkpoint_resumes_on_gpu(tmp_path, multi_slice):
     """Saved with states on the GPU, in pinned host memory and in NVMe files (streamed tensor by tensor,
     or staged by Megatron's saver), resumed with every state on the GPU: the run continues as if it had
     not stopped (bf16 tolerance)."""
-    from tests.conftest import read_metrics, run_cli
+    from tests.helpers import read_metrics, run_cli
 
     def train(name, *overrides):
         metrics = tmp_path / f"{name}.jsonl"
@@ -50,7 +50,7 @@ def test_recomputing_some_layers_trains_as_recomputing_none(tmp_path):
     """Megatron's 'block' recompute of the first layer of two (model.recompute_num_layers=1) with
     ZeRO-Cache: recompute repeats the same forward, so the losses follow the run that keeps every
     activation; 'auto' on a GPU with room to spare keeps every activation."""
-    from tests.conftest import read_metrics, run_cli
+    from tests.helpers import read_metrics, run_cli
 
     losses = {}
     for name, extra in (("none", ["model.recompute=none"]),

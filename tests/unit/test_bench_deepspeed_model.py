@@ -9,7 +9,10 @@ import torch
 
 from angelgpt.config import resolve
 from angelgpt.model.flops import num_params
-from scripts.bench_deepspeed import GPT, ds_config
+from tests.helpers import load_script
+
+_SCRIPT = load_script("bench_deepspeed")
+GPT, ds_config = _SCRIPT["GPT"], _SCRIPT["ds_config"]
 
 
 @pytest.mark.parametrize("name, layers", [("tiny", 2), ("h200-16b", 1), ("h200-16b", 3)])

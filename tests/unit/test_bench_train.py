@@ -8,7 +8,9 @@ import torch
 
 from angelgpt.cli import app
 from angelgpt.config import resolve
-from scripts.bench_train import failure
+from tests.helpers import load_script
+
+failure = load_script("bench_train")["failure"]
 
 
 def test_a_refusal_before_launch_is_recorded_with_what_was_short(monkeypatch, capsys):

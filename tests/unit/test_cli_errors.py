@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.conftest import run_cli
+from tests.helpers import check_one_line_error, run_cli
 
 CASES = {
     "unknown preset": (["train", "--size", "nope"], "unknown preset 'nope'"),
@@ -27,16 +27,6 @@ CASES = {
     "pipeline on cpu": (["train", "--size", "tiny", "--device", "cpu", "--nproc-per-node", "2",
                          "parallel.pipeline_model_parallel_size=2"], "needs CUDA"),
 }
-
-
-def check_one_line_error(proc, needle, in_worker=False):
-    assert proc.returncode == 2, (proc.returncode, proc.stderr)
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, proc.stderr
-    assert lines[0].startswith("angelgpt: error: ") and needle in lines[0], lines[0]
-    assert "Traceback" not in proc.stderr + proc.stdout
-    if not in_worker:
-        assert "torchrun command" not in proc.stdout  # refused before launching
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

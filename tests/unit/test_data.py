@@ -6,8 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from tests.conftest import run_cli
-from tests.unit.test_cli_errors import check_one_line_error
+from tests.helpers import CORPUS, check_one_line_error, run_cli
 
 
 @pytest.fixture(scope="module")
@@ -22,8 +21,6 @@ def tokenizer(tmp_path_factory, request):
 
 @pytest.fixture(scope="module")
 def corpus():
-    from tests.conftest import CORPUS
-
     if not CORPUS.is_file():
         pytest.skip(f"{CORPUS} not present")
     return CORPUS

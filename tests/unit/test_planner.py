@@ -12,8 +12,7 @@ from angelgpt.model.flops import flops_per_iteration
 from angelgpt.planner.layout import chunk_numels, rank_params
 from angelgpt.planner.plan import GIB, MACHINES, activation_bytes, auto_plan, offload_params_on, plan_for
 from angelgpt.zero_cache import placement
-from tests.conftest import ROOT, run_cli
-from tests.unit.test_cli_errors import check_one_line_error
+from tests.helpers import ROOT, check_one_line_error, run_cli
 
 RESULTS = ROOT / "benchmarks" / "results"
 

@@ -7,7 +7,7 @@ import torch
 
 from angelgpt.config import resolve
 from angelgpt.model.flops import num_params
-from tests.conftest import run_cli
+from tests.helpers import run_cli
 
 SEED = {
     "28": dict(num_layers=26, hidden_size=8192, num_attention_heads=128, ffn_hidden_size=32768, kv_channels=128,

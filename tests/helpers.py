@@ -1,0 +1,55 @@
+"""What the tests share: run the real `angelgpt` CLI in a subprocess, read its metrics file, train the
+tiny preset, check a one-line CLI error, load a script of scripts/ by path.
+
+Tests import these from here (`from tests.helpers import ...`), never from conftest.py or from one
+another; conftest.py holds only pytest fixtures and hooks.
+"""
+
+import json
+import os
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# the shared corpus beside the checkout when present, else the public-domain copy kept with the tests
+_SHARED = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
+CORPUS = _SHARED if _SHARED.is_file() else ROOT / "tests" / "data" / "tinyshakespeare.txt"
+
+
+def run_cli(*args, timeout=600, env=None):
+    full_env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-m", "angelgpt", *map(str, args)], cwd=ROOT, text=True,
+                          capture_output=True, timeout=timeout, env=full_env)
+
+
+def read_metrics(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def train_tiny(tmp_path, name, *overrides, nproc=1, with_output=False):
+    """Trains the tiny preset on CPU and returns its per-iteration metrics (and its stdout)."""
+    metrics = tmp_path / f"{name}.jsonl"
+    proc = run_cli("train", "--size", "tiny", "--device", "cpu", "--nproc-per-node", nproc,
+                   "--metrics-file", metrics, "logging.log_interval=1", *overrides)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return (read_metrics(metrics), proc.stdout) if with_output else read_metrics(metrics)
+
+
+def check_one_line_error(proc, needle, in_worker=False):
+    """A bad input's answer: exit code 2, one line on stderr naming the problem, no traceback, and
+    (unless the worker found it) nothing launched."""
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("angelgpt: error: ") and needle in lines[0], lines[0]
+    assert "Traceback" not in proc.stderr + proc.stdout
+    if not in_worker:
+        assert "torchrun command" not in proc.stdout  # refused before launching
+
+
+def load_script(name):
+    """The globals of scripts/NAME.py, run by path as module NAME (its main() not called)."""
+    return runpy.run_path(str(ROOT / "scripts" / f"{name}.py"), run_name=name)
