@@ -239,7 +239,14 @@ def train(
     warning = launch.queue_warning(env, on_gpu, cfg.optim.optimizer)
     if warning:
         print(warning, file=sys.stderr, flush=True)
-    rc, why = launch.run(cmd, env)
+    from angelgpt.train.lifetime import take_save_lock
+
+    lock = take_save_lock(cfg.checkpoint.save, nnodes, node_rank, rdzv_endpoint)  # one run per --save DIR
+    try:
+        rc, why = launch.run(cmd, env)
+    finally:
+        if lock is not None:
+            lock.release()
     if rc == 2:
         raise SystemExit(2)
     if rc != 0:

@@ -10,6 +10,8 @@ import sys
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
+from angelgpt.train.lifetime import LAUNCHER_PID_ENV, agent_preexec
+
 
 @dataclass
 class Rendezvous:
@@ -48,6 +50,8 @@ def worker_env(on_gpu: bool, nproc_per_node: int, optimizer: str = "megatron") -
     # workers sharing torchrun's rendezvous store read the previous attempt's addresses after a
     # restart (pytorch/pytorch#135712); their own store keeps --max-restarts working
     env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    # the workers end themselves when this launcher is gone (angelgpt.train.lifetime.watch_launcher)
+    env[LAUNCHER_PID_ENV] = str(os.getpid())
     return env
 
 
@@ -73,7 +77,8 @@ def run(cmd: List[str], env: dict) -> Tuple[int, Optional[str]]:
     for a worker killed by SIGKILL (the out-of-memory killer's signal), which cannot speak for itself,
     the reason to print."""
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, errors="replace",
-                            start_new_session=True)  # a terminal's Ctrl-C reaches the workers once, from here
+                            start_new_session=True,  # a terminal's Ctrl-C reaches the workers once, from here
+                            preexec_fn=agent_preexec())  # the agent dies with this process, the workers follow
     previous = {sig: signal.signal(sig, lambda signum, frame: _forward(proc.pid, signum))
                 for sig in (signal.SIGTERM, signal.SIGINT)}
     refused = killed = False

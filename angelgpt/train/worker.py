@@ -129,6 +129,9 @@ def run(cfg) -> float:
 
 
 def main(argv=None) -> int:
+    from angelgpt.train.lifetime import watch_launcher
+
+    watch_launcher()  # a worker of `angelgpt train` ends when the launcher does, SIGKILL included
     warnings.filterwarnings("ignore", category=UserWarning)
     warnings.filterwarnings("ignore", category=FutureWarning)
     from angelgpt.config import ConfigError, resolve
