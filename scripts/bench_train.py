@@ -55,7 +55,7 @@ def predicted(size: str, overrides, machine_info: dict) -> dict:
     from dataclasses import replace
 
     from angelgpt.config import resolve
-    from angelgpt.planner.plan import GIB, MACHINES, plan_for
+    from angelgpt.planner import GIB, MACHINES, plan_for
     from angelgpt.zero_cache.placement import CHUNK
 
     try:

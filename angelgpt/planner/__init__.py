@@ -1,9 +1,16 @@
-"""Memory and time planner: does a configuration fit, where does each state go, what bounds its speed.
+"""Memory and time planner: does a configuration fit, where does each state go, what bounds its speed,
+and what its 'auto' settings become on a given machine.
 
-Shared by `angelgpt plan`, `angelgpt train` (which refuses what will not fit) and ZeRO-Cache's
-`prefetch_cache_sub_group_rate: auto`. Torch-free except `auto_settings`, which reads the device.
+Shared by `angelgpt plan`, `angelgpt train` (which resolves the config once, with this machine's reading,
+refuses what will not fit, and hands the workers that reading) and the workers (which resolve with it).
+Parts: machines (the catalogue and this machine's reading), plan (the memory and time model), resolve
+(every 'auto' made concrete), layout (a rank's parameters from the config), report (what `angelgpt plan`
+prints). Torch-free except `read_this_machine`, which reads the device.
 """
 
-from angelgpt.planner.plan import MACHINES, Machine, SystemPlan, auto_plan, auto_settings, machine_from, plan
+from angelgpt.planner.machines import GIB, MACHINES, Machine, describe, machine_from, read_this_machine
+from angelgpt.planner.plan import SystemPlan, auto_plan, beside_store_bytes, plan, plan_for
+from angelgpt.planner.resolve import resolve_config, resolved_line
 
-__all__ = ["MACHINES", "Machine", "SystemPlan", "auto_plan", "auto_settings", "machine_from", "plan"]
+__all__ = ["GIB", "MACHINES", "Machine", "SystemPlan", "auto_plan", "beside_store_bytes", "describe",
+           "machine_from", "plan", "plan_for", "read_this_machine", "resolve_config", "resolved_line"]

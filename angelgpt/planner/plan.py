@@ -1,7 +1,14 @@
-"""Memory and time model of one training step, per rank, for ZeRO-Cache and its peers.
+"""The memory and time model of one training step, per rank, for ZeRO-Cache and its peers: pure
+functions of a config and a machine's figures (planner.machines), torch-free, reading nothing.
 
     from angelgpt.planner import plan, MACHINES
     report = plan(cfg, MACHINES["h200"], gpus_per_node=1, nodes=1)
+
+Owns the model (activation_bytes, plan_zero_cache, plan_megatron, plan_megatron_cpu_offload,
+plan_zero3_offload, plan, plan_for, auto_plan, SystemPlan) and the planner's choices for 'auto'
+settings within it (recompute, rate, offload_params, accumulate_in_store, device_update_fraction);
+planner.resolve turns those choices into a concrete config. Also beside_store_bytes: the device memory
+training needs beside ZeRO-Cache's store that the optimizer cannot count itself.
 
 Memory (bytes per rank):
   GPU: the model's weights in the model dtype (every rank holds its TP/PP shard whole), the gradients
@@ -23,58 +30,18 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 from functools import wraps
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional
 
 from angelgpt.config import Config
 from angelgpt.model.flops import flops_per_iteration, recomputed_layers
 from angelgpt.planner.layout import chunk_numels, rank_params
-from angelgpt.zero_cache.placement import SLICE, STATES, place, prefetch_depth
+from angelgpt.planner.machines import GIB, Machine
+from angelgpt.zero_cache.placement import GPU_HEADROOM, SLICE, STATES, place, prefetch_depth, training_reserve
 
-GIB = 1024 ** 3
 MODEL_BYTES = 2  # bf16 weights and gradients on GPU
 WORKSPACE = 3 * GIB  # cuBLAS workspace, NCCL buffers, allocator slack
 CUDA_CONTEXT = 1 * GIB  # taken before anything is allocated (not in torch.cuda.mem_get_info's free)
-GPU_HEADROOM = 0.03  # of the device, left free against fragmentation
 HOST_PROCESS = int(1.8 * GIB)  # the Python process with torch, CUDA and Megatron loaded (1.7-1.8 GiB measured)
-
-
-@dataclass
-class Machine:
-    """One node's hardware figures; any of them can be overridden on the command line."""
-
-    name: str
-    gpus_per_node: int
-    gpu_mem_gib: float
-    host_mem_gib: float  # per node
-    nvme_gib: float  # per node, free
-    pcie_gbs: float  # per GPU, each direction, pinned
-    nvme_gbs: float  # per node, reading and writing at once (the update writes a chunk while the next is read)
-    net_gbps: float  # per GPU, collective bus bandwidth inside the node (GB/s)
-    gpu_tflops: float  # achieved dense bf16 rate on transformer layers (hardware FLOPs)
-    cpu_adam_gparams: float  # fused CPU AdamW, G params/s per node
-    cpu_update_gparams: float  # ZeRO-Cache's whole host update (gradient in, AdamW, weights out), G params/s
-
-
-MACHINES: Dict[str, Machine] = {
-    # measured on the test machine (shared FACTS): PCIe 55.3 GB/s each way, CPU AdamW 4.2 G params/s
-    # on 16 cores, disk 1.4 GB/s written and 1.5 read one way at a time; ZeRO-Cache's NVMe tier moved
-    # 2.0 GB/s reading and writing at once (24 layers of the 55 shape: 135.3 GB per step in 67.6 s)
-    # GPU: 570 hardware TFLOP/s over whole training steps, fitted to the committed H200 runs of the 55
-    # shape (benchmarks/results/peers-*.json, 6 to 24 layers, Megatron's optimizers and ZeRO-Cache):
-    # planned step times then average 0.3% under the measured ones, 3.2% off in size (630, Megatron
-    # GPT's forward and backward alone at h=8192 with full recompute, put them 8.7% under)
-    # ZeRO-Cache's host update with the one-pass CPU AdamW (zero_cache.cpu_adam native) ran 2.8-3.5 G
-    # params/s there (scripts/bench_cpu_adam.py: bf16 gradient in, bf16 weights out, 64M-element slices on
-    # 16 threads; 3.0-3.8 in training beside the device path); the other machines' figures scale the same
-    # ratio.
-    # Host and NVMe as a fresh machine offers them: MemAvailable 125.4 GiB less the 3% ZeRO-Cache leaves,
-    # plus the process (123.4); 64 GiB free on its disk
-    "h200": Machine("h200", 1, 139.8, 123.4, 64.0, 55.0, 2.0, 150.0, 570.0, 4.2, 2.8),
-    "h200x8": Machine("h200x8", 8, 139.8, 2000.0, 3000.0, 55.0, 6.0, 150.0, 570.0, 20.0, 13.3),
-    "h100x8": Machine("h100x8", 8, 79.6, 2000.0, 3000.0, 50.0, 6.0, 150.0, 600.0, 20.0, 13.3),
-    "a100-80gx8": Machine("a100-80gx8", 8, 79.2, 1000.0, 3000.0, 24.0, 3.0, 100.0, 240.0, 8.0, 5.3),
-    "a100-40gx8": Machine("a100-40gx8", 8, 39.4, 1000.0, 3000.0, 24.0, 3.0, 100.0, 240.0, 8.0, 5.3),
-}
 
 
 # ZeRO-Cache's host update with device_update_fraction, measured on the H200 in training (11 and 19 layers
@@ -116,32 +83,25 @@ def activation_bytes(cfg: Config, recompute: Optional[bool] = None) -> int:
     return stored + logits
 
 
-def micro_batches(cfg: Config, dp: int) -> int:
-    return cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
-
-
 def accumulating(cfg: Config, dp: int) -> bool:
     """Several micro batches per step, added up on the GPU: every gradient lives there until the last
     one (unless zero_cache.accumulate_in_store moves each micro batch's gradients to their owner)."""
-    return micro_batches(cfg, dp) > 1 and not (cfg.optim.optimizer == "zero_cache"
+    return cfg.num_microbatches(dp) > 1 and not (cfg.optim.optimizer == "zero_cache"
                                                 and cfg.zero_cache.accumulate_in_store is True)
 
 
-def fetch_depth(cfg: Config, layer_numel: int, dtype_bytes: int) -> int:
+def beside_store_bytes(cfg: Config) -> int:
+    """Device memory training needs beside ZeRO-Cache's store that the optimizer cannot count itself:
+    the activations of a micro batch (as configured: recompute resolved) and the workspace. The optimizer
+    adds the gradients and fetched weights (placement.training_reserve) and leaves GPU_HEADROOM free."""
+    return activation_bytes(cfg) + WORKSPACE
+
+
+def _fetch_depth(cfg: Config, layer_numel: int) -> int:
     """Offloaded layers ZeRO-Cache prefetches ahead of the running one, from the zero_cache knobs."""
     zc = cfg.zero_cache
     return prefetch_depth(layer_numel, zc.prefetch_bucket_size, zc.max_live_parameters,
-                          zc.max_contigous_params_size, dtype_bytes)
-
-
-def device_reserve(cfg: Config, largest_chunk: int, grad_bytes: int, offloaded: bool, model_numel: int,
-                   dp: int) -> int:
-    """Device memory ZeRO-Cache needs beside its states and resident weights: activations, workspace,
-    gradients (those of every parameter while micro batches accumulate, else those in flight), and
-    offloaded layers being used, prefetched or not yet freed by autograd."""
-    fetched = (2 + fetch_depth(cfg, largest_chunk, grad_bytes)) * largest_chunk * grad_bytes if offloaded else 0
-    grads = model_numel * grad_bytes if accumulating(cfg, dp) else 2 * largest_chunk * grad_bytes
-    return activation_bytes(cfg) + WORKSPACE + grads + fetched
+                          zc.max_contigous_params_size, MODEL_BYTES)
 
 
 @dataclass
@@ -226,7 +186,7 @@ def _accumulation_choices(cfg: Config, dp: int):
     zc = cfg.zero_cache
     if zc.accumulate_in_store != "auto":
         return None
-    if micro_batches(cfg, dp) <= 1:
+    if cfg.num_microbatches(dp) <= 1:
         return [replace(cfg, zero_cache=replace(zc, accumulate_in_store=False))]
     return [replace(cfg, zero_cache=replace(zc, accumulate_in_store=v)) for v in (False, True)]
 
@@ -289,7 +249,7 @@ def _resident_first(cfg: Config, dp: int):
     285 resident). None when 'auto' needs no refining."""
     zc = cfg.zero_cache
     if zc.offload_params != "auto" or not offload_params_on(cfg) or not (
-            zc.accumulate_in_store is True and micro_batches(cfg, dp) > 1):
+            zc.accumulate_in_store is True and cfg.num_microbatches(dp) > 1):
         return None
     return [replace(cfg, zero_cache=replace(zc, offload_params=v)) for v in (False, True)]
 
@@ -311,7 +271,7 @@ def rank_tier_bytes(cfg: Config, dp: int, dp_rank: int, rate: float, host_limit:
     and per chunk whether the device updates it (`fraction` of the host chunks)."""
     params = rank_params(cfg, pp_rank)
     n_groups = len({p.sub_group for p in params})
-    in_store = cfg.zero_cache.accumulate_in_store is True and micro_batches(cfg, dp) > 1
+    in_store = cfg.zero_cache.accumulate_in_store is True and cfg.num_microbatches(dp) > 1
 
     def placed(rank, allowed=None):
         chunks = chunk_numels(params, dp, rank)
@@ -352,13 +312,14 @@ def plan_zero_cache(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int
     largest_layer = max(sub_group_numels(params).values())  # the largest sub-group, all of it (as the optimizer counts)
     off_device = [n for n, t in zip(numels, tiers) if t != "device"]
     resident = model_numel - sum(offloaded) * dp
+    # as the optimizer reserves them: gradients accumulated over micro batches (every parameter's), else
+    # only those between backward and offload; offloaded layers' weights in use, prefetched, freeing
+    reserve = [training_reserve(0, largest_layer, MODEL_BYTES, off, model_numel, accumulating(cfg, dp),
+                                _fetch_depth(cfg, largest_layer)) for off in (False, bool(offloaded))]
     gpu = {
         "weights": resident * MODEL_BYTES,
-        # in use, prefetched, freeing
-        "fetched_weights": (2 + fetch_depth(cfg, largest_layer, MODEL_BYTES)) * largest_layer * MODEL_BYTES
-        if offloaded else 0,
-        # accumulated over micro batches (every parameter's), else only those between backward and offload
-        "gradients": model_numel * MODEL_BYTES if accumulating(cfg, dp) else 2 * largest_layer * MODEL_BYTES,
+        "fetched_weights": reserve[1] - reserve[0],
+        "gradients": reserve[0],
         "cached_states": tb["device"],  # with the device update buffers
         "activations": activation_bytes(cfg),
         "workspace": WORKSPACE + CUDA_CONTEXT,
@@ -371,7 +332,7 @@ def plan_zero_cache(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int
         "upload_buffers": 2 * min(max(uploads), SLICE) * MODEL_BYTES if uploads else 0,
         "process": HOST_PROCESS,
     }
-    mb = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
+    mb = cfg.num_microbatches(dp)
     compute = _compute_s(cfg, hw, world)
     fwd_first = compute / mb * forward_share(cfg)
     bwd_last = compute / mb - fwd_first
@@ -458,7 +419,7 @@ STREAM_HELD_LAYERS = 2
 def stream_held_bytes(cfg: Config, dp: int) -> int:
     """GPU memory 'auto' rates leave free beyond the plan where they can (0 unless accumulating in the
     store): STREAM_HELD_LAYERS of the largest layer's gradients."""
-    if not (cfg.zero_cache.accumulate_in_store is True and micro_batches(cfg, dp) > 1):
+    if not (cfg.zero_cache.accumulate_in_store is True and cfg.num_microbatches(dp) > 1):
         return 0
     layers = [n for g, n in sub_group_numels(rank_params(cfg, 0)).items() if 0 < g <= cfg.model.num_layers]
     return STREAM_HELD_LAYERS * max(layers, default=0) * MODEL_BYTES
@@ -527,7 +488,7 @@ def plan_zero3_offload(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: 
     gpu = {"gathered_weights": 2 * largest * MODEL_BYTES, "activations": activation_bytes(cfg),
            "workspace": WORKSPACE + CUDA_CONTEXT}
     host = {"host_states": shard * (MODEL_BYTES + 4 + 4 * STATES), "process": HOST_PROCESS}
-    mb = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
+    mb = cfg.num_microbatches(dp)
     fetch = (2 + recomputed_layers(cfg) / cfg.model.num_layers) * mb * n * MODEL_BYTES / (hw.pcie_gbs * 1e9)
     compute = _compute_s(cfg, hw, world)
     step = {"compute": compute,
@@ -549,63 +510,3 @@ def plan_for(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int = 1) -
     """The plan of the optimizer the configuration asks for."""
     return {"zero_cache": plan_zero_cache, "megatron": plan_megatron,
             "megatron_cpu_offload": plan_megatron_cpu_offload}[cfg.optim.optimizer](cfg, hw, gpus_per_node, nodes)
-
-
-def machine_from(name: Optional[str], **overrides) -> Machine:
-    hw = MACHINES[name or "h200"]
-    return replace(hw, **{k: v for k, v in overrides.items() if v is not None})
-
-
-def this_machine(cfg: Config, gpu_total_bytes: int, gpus_per_node: int) -> Machine:
-    """The H200 node's figures with this machine's GPU memory, and the host memory and NVMe space that
-    ZeRO-Cache's capacity check will allow here (no CUDA call: the launcher uses it too)."""
-    from angelgpt.zero_cache.tiers import host_bytes, nvme_bytes
-
-    zc = cfg.zero_cache
-    return replace(MACHINES["h200"], gpus_per_node=gpus_per_node, gpu_mem_gib=gpu_total_bytes / GIB,
-                   host_mem_gib=(host_bytes(zc.host_max_gib) + HOST_PROCESS) * gpus_per_node / GIB,
-                   nvme_gib=nvme_bytes(zc.nvme_path, zc.nvme_max_gib) * gpus_per_node / GIB)
-
-
-def _this_worker_node(cfg: Config, device):
-    """In a torchrun worker on CUDA: this node's figures (this_machine), GPUs per node, nodes."""
-    import os
-
-    import torch
-
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    nodes = max(1, int(os.environ.get("WORLD_SIZE", "1")) // local)
-    return this_machine(cfg, torch.cuda.mem_get_info(device)[1], local), local, nodes
-
-
-def resolve_recompute(cfg: Config, device) -> Tuple[str, Optional[int]]:
-    """(model.recompute, model.recompute_num_layers) for this run: as configured, or with 'auto' the
-    planner's choice for this GPU and this host (none on CPU, where full recompute cannot run)."""
-    m = cfg.model
-    if m.recompute != "auto":
-        return m.recompute, m.recompute_num_layers
-    if device.type != "cuda":
-        return "none", None
-    hw, local, nodes = _this_worker_node(cfg, device)
-    # decided before the model is built: the rate, decided after it, sees the host memory the process
-    # has grown by since, so the choice here must fit without it
-    hw = replace(hw, host_mem_gib=hw.host_mem_gib - HOST_PROCESS * local / GIB)
-    p = plan_for(cfg, hw, local, nodes)
-    return p.recompute, p.recompute_num_layers
-
-
-def auto_settings(cfg: Config, device, dp_size: int):
-    """ZeRO-Cache's 'auto' settings in a worker: (prefetch_cache_sub_group_rate, offload_params,
-    device_update_fraction, accumulate_in_store), the planner's choice for this GPU and the host memory
-    ZeRO-Cache may take here (what the optimizer's capacity check will allow). On CPU: everything on the device,
-    offload_params as configured, no host state updated on the device unless a fraction is set."""
-    zc = cfg.zero_cache
-    rate = zc.prefetch_cache_sub_group_rate
-    if device.type != "cuda":
-        frac = 0.0 if zc.device_update_fraction == "auto" else float(zc.device_update_fraction)
-        return (1.0 if rate == "auto" else float(rate)), offload_params_on(cfg), frac, zc.accumulate_in_store is True
-    hw, local, nodes = _this_worker_node(cfg, device)
-    nvme = bool(cfg.zero_cache.nvme_path)
-    p = auto_plan(cfg, hw, local, nodes, nvme) if rate == "auto" else plan_zero_cache(cfg, hw, local, nodes,
-                                                                                     float(rate), nvme)
-    return p.rate, p.offload_params, device_update_fraction(cfg, hw, local), bool(p.accumulate_in_store)

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Dict
 
-from angelgpt.planner.plan import GIB, Machine, SystemPlan, activation_bytes
+from angelgpt.planner.machines import GIB, Machine
+from angelgpt.planner.plan import SystemPlan, activation_bytes
 
 
 def _gib(b: float) -> str:

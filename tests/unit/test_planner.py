@@ -10,7 +10,8 @@ import pytest
 from angelgpt.config import resolve
 from angelgpt.model.flops import flops_per_iteration
 from angelgpt.planner.layout import chunk_numels, rank_params
-from angelgpt.planner.plan import GIB, MACHINES, activation_bytes, auto_plan, offload_params_on, plan_for
+from angelgpt.planner import GIB, MACHINES, auto_plan, plan_for
+from angelgpt.planner.plan import activation_bytes, offload_params_on
 from angelgpt.zero_cache import placement
 from tests.helpers import ROOT, check_one_line_error, run_cli
 

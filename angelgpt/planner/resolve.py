@@ -1,0 +1,131 @@
+"""Resolution: a config whose 'auto' settings become concrete values for one machine, decided once.
+
+Owns `resolve_config` (the one place where every 'auto' of a config is settled: the launcher calls it
+with its reading of the machine, the workers with the same reading, and build what it returns) and
+`resolved_line` (the line that says what was settled). The choices are the memory and time model's
+(planner.plan) for the machine given; the machine's figures are used as given (planner.machines).
+Torch-free: it looks for transformer-engine and a C compiler without importing or running them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+from dataclasses import fields, is_dataclass, replace
+from typing import List, Optional, Tuple
+
+from angelgpt.config import Config, ConfigError
+from angelgpt.planner.machines import Machine
+from angelgpt.planner.plan import SystemPlan, device_update_fraction, offload_params_on, plan_for
+
+
+def _have_transformer_engine() -> bool:
+    """transformer-engine is installed (found, not imported: importing it needs CUDA)."""
+    try:
+        return importlib.util.find_spec("transformer_engine") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _c_compiler() -> Optional[str]:
+    """The C compiler zero_cache.cpu_adam's kernel is built with (cpu_adam.build: $CC, else cc, else gcc),
+    where it is found; None where it is not."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    return shutil.which(cc) if cc else None
+
+
+def _transformer_impl(impl: str, on_gpu: bool) -> str:
+    """model.transformer_impl 'auto' as angelgpt.model.gpt reads it: transformer-engine on GPU where it
+    is installed, else the local spec."""
+    if impl != "auto":
+        return impl
+    return "transformer_engine" if on_gpu and _have_transformer_engine() else "local"
+
+
+def _float(value):
+    return value if value == "auto" else float(value)
+
+
+def resolve_config(cfg: Config, machine: Machine, gpus_per_node: int, nodes: int,
+                   on_gpu: bool) -> Tuple[Config, Optional[SystemPlan]]:
+    """The config with every 'auto' made a value for `machine` (gpus_per_node GPUs on each of `nodes`),
+    and the plan of that resolved config (None on CPU). Values already concrete are kept, so resolving a
+    resolved config returns it unchanged. What each 'auto' becomes:
+
+    train.device: 'cuda' on GPU, else 'cpu' (a concrete device that disagrees with on_gpu is an error).
+    model.transformer_impl: 'transformer_engine' on GPU where transformer-engine is installed, else 'local'.
+    zero_cache.cpu_adam: 'native' where the kernel's C compiler is found ($CC, cc or gcc), else 'torch';
+      decided first, as the planner's host update rate depends on it.
+    On GPU, the plan of the configured optimizer for this machine (plan_for) decides:
+      model.recompute and model.recompute_num_layers: the fastest choice that fits (else the closest);
+      zero_cache (optimizer zero_cache): prefetch_cache_sub_group_rate, offload_params and
+      accumulate_in_store as that plan placed them, device_update_fraction the split of the host update
+      by the rates of its two paths (plan.device_update_fraction).
+    On CPU: model.recompute 'none' (full recompute needs CUDA).
+    zero_cache's settings that are still 'auto' (on CPU, or with another optimizer, which ignores them):
+      rate 1.0 (every state on the device), offload_params on only with every layer recomputed,
+      device_update_fraction 0.0, accumulate_in_store off.
+    """
+    device = cfg.train.device
+    if device == "auto":
+        device = "cuda" if on_gpu else "cpu"
+    elif (device == "cuda") != on_gpu:
+        raise ConfigError(f"train.device is '{device}' but the config is being resolved for "
+                          f"{'a GPU' if on_gpu else 'the CPU'}")
+    zc = cfg.zero_cache
+    cpu_adam = zc.cpu_adam if zc.cpu_adam != "auto" else ("native" if _c_compiler() else "torch")
+    cfg = replace(cfg, train=replace(cfg.train, device=device),
+                  model=replace(cfg.model, transformer_impl=_transformer_impl(cfg.model.transformer_impl, on_gpu)),
+                  zero_cache=replace(zc, cpu_adam=cpu_adam))
+    m, zc = cfg.model, cfg.zero_cache
+    if on_gpu:
+        chosen = plan_for(cfg, machine, gpus_per_node, nodes)
+        if m.recompute == "auto":
+            cfg = replace(cfg, model=replace(m, recompute=chosen.recompute,
+                                             recompute_num_layers=chosen.recompute_num_layers))
+        if cfg.optim.optimizer == "zero_cache":
+            cfg = replace(cfg, zero_cache=replace(
+                zc,
+                prefetch_cache_sub_group_rate=chosen.rate if zc.prefetch_cache_sub_group_rate == "auto"
+                else zc.prefetch_cache_sub_group_rate,
+                offload_params=chosen.offload_params if zc.offload_params == "auto" else zc.offload_params,
+                accumulate_in_store=bool(chosen.accumulate_in_store) if zc.accumulate_in_store == "auto"
+                else zc.accumulate_in_store,
+                device_update_fraction=device_update_fraction(cfg, machine, gpus_per_node)))
+    elif m.recompute == "auto":
+        cfg = replace(cfg, model=replace(m, recompute="none", recompute_num_layers=None))
+    zc = cfg.zero_cache
+    rate, frac = zc.prefetch_cache_sub_group_rate, zc.device_update_fraction
+    cfg = replace(cfg, zero_cache=replace(
+        zc,
+        prefetch_cache_sub_group_rate=_float(1.0 if rate == "auto" else rate),
+        offload_params=offload_params_on(cfg),
+        device_update_fraction=_float(0.0 if frac == "auto" else frac),
+        accumulate_in_store=zc.accumulate_in_store is True))
+    return cfg, (plan_for(cfg, machine, gpus_per_node, nodes) if on_gpu else None)
+
+
+def _text(value) -> str:
+    """A value as a KEY=VALUE override would give it."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return "null" if value is None else str(value)
+
+
+def resolved_line(before: Config, after: Config) -> str:
+    """'resolved: section.key=value, ...' for each setting that was 'auto' in `before` (with
+    model.recompute, the recompute_num_layers chosen with it), in the config's order; '' when none was."""
+    parts: List[str] = []
+    for section in fields(before):
+        b, a = getattr(before, section.name), getattr(after, section.name)
+        if not is_dataclass(b):
+            continue
+        for f in fields(b):
+            if getattr(b, f.name) != "auto":
+                continue
+            parts.append(f"{section.name}.{f.name}={_text(getattr(a, f.name))}")
+            if (section.name, f.name) == ("model", "recompute") and (
+                    a.recompute_num_layers is not None or b.recompute_num_layers is not None):
+                parts.append(f"model.recompute_num_layers={_text(a.recompute_num_layers)}")
+    return "resolved: " + ", ".join(parts) if parts else ""
