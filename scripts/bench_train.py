@@ -41,11 +41,18 @@ def machine() -> dict:
     return info
 
 
-def commit() -> str:
+# lines of a run's output that say what it settled: the launcher's plan and resolution, the
+# optimizer's placement, a worker that resolved differently (earlier commits' wording included)
+SETTINGS = ("plan:", "resolved:", "zero_cache:", "model.recompute auto", "built model", "angelgpt: rank 0: the workers")
+
+
+def commit(root=ROOT) -> str:
+    if (Path(root) / ".commit").is_file():  # a copied tree (no .git) names its commit in this file
+        return (Path(root) / ".commit").read_text().strip()
     if os.environ.get("ANGELGPT_COMMIT"):
         return os.environ["ANGELGPT_COMMIT"]
     try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=ROOT, text=True).strip()
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=root, text=True).strip()
     except Exception:
         return "unknown"
 
@@ -99,6 +106,8 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--runner", choices=("angelgpt", "deepspeed"), default="angelgpt",
                     help="deepspeed: the same config trained by DeepSpeed ZeRO-3 offload (scripts/bench_deepspeed.py)")
+    ap.add_argument("--root", default=str(ROOT),
+                    help="the angelgpt checkout to run (another commit's tree, for a before/after pair in one call)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     if args.iters <= args.warmup:
@@ -112,7 +121,8 @@ def main() -> int:
     printable = "python " + " ".join(shlex.quote(c) for c in cmd[1:] if c != str(metrics) and c != "--metrics-file")
     print("running:", printable, flush=True)
     start = time.time()
-    proc = subprocess.run(cmd, cwd=ROOT, text=True, capture_output=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (args.root, os.environ.get("PYTHONPATH")) if p))
+    proc = subprocess.run(cmd, cwd=args.root, text=True, capture_output=True, env=env)
     sys.stdout.write(proc.stdout[-6000:])
     sys.stderr.write(proc.stderr[-6000:])
     records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
@@ -121,13 +131,15 @@ def main() -> int:
         "name": args.name,
         "command": printable,
         "bench_command": "python scripts/bench_train.py " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
-        "commit": commit(),
+        "commit": commit(args.root),
         "machine": machine(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "returncode": proc.returncode,
         "wall_s": round(time.time() - start, 1),
         "warmup_iters": args.warmup,
         "records": records,
+        # what the launcher and the workers said they settled ('auto' resolved, placement)
+        "settings": [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith(SETTINGS)],
     }
     if steady:
         result.update(
@@ -151,6 +163,10 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{args.name}.json"
+    n = 1
+    while path.exists():  # a result file is never overwritten: a run again of a case gets the next number
+        n += 1
+        path = out / f"{args.name}-run{n}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {path}: " + json.dumps({k: v for k, v in result.items() if k.endswith("median") or k.startswith("goal")
                                            or k.startswith("peak")}))

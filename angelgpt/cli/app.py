@@ -153,19 +153,25 @@ def plan(
         print(render(cfg, hw, gpus, nodes, plans, num_params(cfg)))
 
 
-def _check_plan(cfg, nproc_per_node: int, nnodes: int, force: bool) -> None:
-    """On GPU: the planner with this machine's GPU and host memory; a plan that does not fit is
-    refused before anything is launched, unless --force."""
-    import torch
+def _resolve(cfg, on_gpu: bool, nproc_per_node: int, nnodes: int):
+    """Every 'auto' of the config made concrete for this machine (its GPU, host memory and disk as read
+    here): the same function, with the same reading, that the workers resolve with."""
+    from angelgpt.planner import read_this_machine, resolve_config, resolved_line
 
-    from angelgpt.planner.plan import GIB, plan_for, this_machine
+    machine = read_this_machine(cfg.zero_cache, nproc_per_node, before_workers=True)
+    resolved, plan = resolve_config(cfg, machine, nproc_per_node, nnodes, on_gpu)
+    return machine, resolved, plan, resolved_line(cfg, resolved)
 
-    hw = this_machine(cfg, torch.cuda.get_device_properties(0).total_memory, nproc_per_node)
-    p = plan_for(cfg, hw, nproc_per_node, nnodes)
+
+def _check_plan(p, force: bool) -> None:
+    """On GPU: the resolved config's plan for this machine; one that does not fit is refused before
+    anything is launched, unless --force."""
+    from angelgpt.planner import GIB
+
     print(f"plan: {p.system} needs {p.gpu_total / GIB:.1f} GiB per GPU and {p.host_total / GIB:.1f} GiB of host "
           f"memory per node; predicted {p.step_time_s:.2f} s per step, bound by {p.bottleneck}"
           + (f"; rate {p.rate:.2f}" if p.rate is not None else "")
-          + (f"; recompute {p.recompute_label()}" if cfg.model.recompute == "auto" else ""), flush=True)
+          + (f"; recompute {p.recompute_label()}" if p.recompute != "none" else ""), flush=True)
     if not p.fits and not force:
         short = ", ".join(f"{k} by {-v / GIB:.1f} GiB" for k, v in p.margin.items() if v < 0)
         fail(f"the planner says this configuration does not fit ({p.system}: short of {short}); see "
@@ -193,7 +199,6 @@ def train(
 ) -> None:
     """Resolve the config, print it and the parameter count, check the plan, and launch torchrun workers."""
     from angelgpt.cli import launch
-    from angelgpt.model.flops import num_params
 
     extra = list(overrides or [])
     if device not in (None, "cpu", "cuda"):
@@ -223,37 +228,53 @@ def train(
     if not on_gpu and "train.device=cpu" not in extra:
         extra.append("train.device=cpu")
 
-    worker_args = (["--size", size] if size else []) + (["--config", config] if config else []) + extra
-    rdzv = launch.Rendezvous(nproc_per_node, nnodes, node_rank, master_addr, master_port, rdzv_endpoint, max_restarts)
-    cmd = launch.torchrun_command(rdzv, worker_args)
-    print(yaml.safe_dump(to_dict(cfg), sort_keys=False).rstrip())
-    params = num_params(cfg)
-    print(f"params: {params:,} ({params / 1e9:.3f}B) | world size {nproc_per_node * nnodes} = "
-          f"TP {cfg.parallel.tensor_model_parallel_size} x PP {cfg.parallel.pipeline_model_parallel_size} x DP {dp}")
-    print(f"torchrun command: {launch.format_command(cmd)}", flush=True)
-    if on_gpu:
-        _check_plan(cfg, nproc_per_node, nnodes, force)
-    if dry_run:
-        return
-    env = launch.worker_env(on_gpu, nproc_per_node, cfg.optim.optimizer)
-    warning = launch.queue_warning(env, on_gpu, cfg.optim.optimizer)
-    if warning:
-        print(warning, file=sys.stderr, flush=True)
     from angelgpt.train.lifetime import take_save_lock
 
-    lock = take_save_lock(cfg.checkpoint.save, nnodes, node_rank, rdzv_endpoint)  # one run per --save DIR
+    # one run per --save DIR, taken before anything is printed: a second run's refusal is one line
+    lock = None if dry_run else take_save_lock(cfg.checkpoint.save, nnodes, node_rank, rdzv_endpoint)
     try:
-        rc, why = launch.run(cmd, env)
+        _launch(cfg, size, config, extra, on_gpu, dp, dry_run, force,
+                launch.Rendezvous(nproc_per_node, nnodes, node_rank, master_addr, master_port, rdzv_endpoint,
+                                  max_restarts))
     finally:
         if lock is not None:
             lock.release()
+
+
+def _launch(cfg, size, config, extra, on_gpu: bool, dp: int, dry_run: bool, force: bool, rdzv) -> None:
+    """Resolves every 'auto' for this machine, prints the config, the command and the plan, refuses what
+    does not fit, and runs torchrun."""
+    from angelgpt.cli import launch
+    from angelgpt.model.flops import num_params
+
+    worker_args = (["--size", size] if size else []) + (["--config", config] if config else []) + extra
+    cmd = launch.torchrun_command(rdzv, worker_args)
+    machine, cfg, planned, resolved = _resolve(cfg, on_gpu, rdzv.nproc_per_node, rdzv.nnodes)
+    print(yaml.safe_dump(to_dict(cfg), sort_keys=False).rstrip())
+    params = num_params(cfg)
+    print(f"params: {params:,} ({params / 1e9:.3f}B) | world size {rdzv.nproc_per_node * rdzv.nnodes} = "
+          f"TP {cfg.parallel.tensor_model_parallel_size} x PP {cfg.parallel.pipeline_model_parallel_size} x DP {dp}")
+    print(f"torchrun command: {launch.format_command(cmd)}", flush=True)
+    if resolved:
+        print(resolved, flush=True)
+    if planned is not None:
+        _check_plan(planned, force)
+    if dry_run:
+        return
+    from angelgpt.train.worker import MACHINE_ENV, RESOLVED_ENV
+
+    env = launch.worker_env(on_gpu, rdzv.nproc_per_node, cfg.optim.optimizer)
+    env[MACHINE_ENV], env[RESOLVED_ENV] = machine.to_json(), resolved  # the workers resolve as the launcher did
+    warning = launch.queue_warning(env, on_gpu, cfg.optim.optimizer)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
+    rc, why = launch.run(cmd, env)
     if rc == 2:
         raise SystemExit(2)
     if rc != 0:
         print(f"angelgpt: error: training workers exited with code {rc}" + (f": {why}" if why else ""),
               file=sys.stderr, flush=True)
         raise SystemExit(1)
-
 
 
 def main(argv: Optional[List[str]] = None) -> None:

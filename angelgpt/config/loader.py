@@ -56,7 +56,14 @@ def _field_index() -> Dict[str, List[str]]:
     return index
 
 
+# keys that moved, still accepted where users write them: old (section, field) -> new
+ALIASES = {("zero_cache", "save_large_model_multi_slice"): ("checkpoint", "multi_slice")}
+
+
 def _canonical_key(key: str) -> typing.Tuple[str, str]:
+    for (old_section, old_name), new in ALIASES.items():
+        if key in (f"{old_section}.{old_name}", old_name):
+            return new
     if "." in key:
         section, name = key.split(".", 1)
         if section not in SECTIONS:
@@ -83,8 +90,8 @@ def _merge(base: Dict[str, Dict[str, Any]], layer: Dict[str, Any], source: str) 
         if not isinstance(body, dict):
             body = {dataclasses.fields(SECTIONS[section])[0].name: body}
         for name, value in body.items():
-            _canonical_key(f"{section}.{name}")
-            base.setdefault(section, {})[name] = value
+            where, field = _canonical_key(f"{section}.{name}")
+            base.setdefault(where, {})[field] = value
 
 
 def _type_name(tp) -> str:

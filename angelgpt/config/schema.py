@@ -227,11 +227,6 @@ class ZeroCacheConfig:
     """Gradient reduce-scatters in flight at once (0 or 1 recommended)."""
     is_communication_time_profiling: bool = False
     """Print per-iteration time in all-gather, reduce-scatter, H2D, D2H, NVMe I/O and optimizer."""
-    save_large_model_multi_slice: bool = True
-    """Write checkpoints tensor by tensor (GPU tensors pass through host memory one at a time, host
-    and NVMe states are written from where they live) so a save never holds a second copy of the model
-    in host memory; false uses Megatron's torch_dist saver on GPU, which first copies every tensor of
-    the rank into host memory. Applies to every optimizer; on CPU saves always stream."""
     host_max_gib: Optional[float] = None
     """Most GiB of host memory the store may take per rank; None means most of MemAvailable."""
     nvme_path: Optional[str] = None
@@ -311,6 +306,12 @@ class CheckpointConfig:
     """Save every N iterations (and always at the end when save is set)."""
     keep: Optional[int] = None
     """Keep only the newest N checkpoints under save; None keeps all."""
+    multi_slice: bool = True
+    """Write checkpoints tensor by tensor (GPU tensors pass through host memory one at a time, host
+    and NVMe states are written from where they live) so a save never holds a second copy of the model
+    in host memory; false uses Megatron's torch_dist saver on GPU, which first copies every tensor of
+    the rank into host memory. Applies to every optimizer; on CPU saves always stream. Also accepted as
+    zero_cache.save_large_model_multi_slice, its earlier name."""
 
     def __post_init__(self):
         _require(self.save_interval is None or self.save_interval > 0,

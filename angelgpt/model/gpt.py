@@ -30,7 +30,7 @@ def use_transformer_engine(cfg: Config, on_gpu: bool) -> bool:
             raise ConfigError("model.transformer_impl is 'transformer_engine' but transformer-engine does not "
                               "import here (it needs CUDA and `pip install angelgpt[te]`)")
         return True
-    return impl == "auto" and on_gpu and have_transformer_engine()
+    return False  # 'local'; 'auto' is made concrete before anything is built (angelgpt.planner.resolve_config)
 
 
 def transformer_config(cfg: Config, on_gpu: bool, perform_initialization: bool = True) -> TransformerConfig:

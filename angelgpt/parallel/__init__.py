@@ -1,4 +1,4 @@
-"""Process groups and Megatron parallel_state for one torchrun worker, and rank-aware printing."""
+"""Process groups and Megatron parallel_state for one torchrun worker (rank-aware logging: `log.py`)."""
 
 from __future__ import annotations
 
@@ -42,8 +42,3 @@ def destroy() -> None:
 
 def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
-
-
-def print_rank_0(*args, **kwargs) -> None:
-    if rank() == 0:
-        print(*args, **kwargs, flush=True)

@@ -107,7 +107,7 @@ def per_layer_keys(sharded):
 def _state(model, optimizer, scheduler, iteration: int, consumed: int, loading: bool) -> dict:
     model_sd = model.sharded_state_dict()
     optimizer_sd = optimizer.sharded_state_dict(model_sd, is_loading=loading)
-    if hasattr(optimizer, "materialized"):  # ZeRO-Cache
+    if optimizer.per_layer_checkpoint_keys:
         model_sd, optimizer_sd = per_layer_keys(model_sd), per_layer_keys(optimizer_sd)
     return {
         "model": model_sd,
@@ -117,13 +117,6 @@ def _state(model, optimizer, scheduler, iteration: int, consumed: int, loading: 
         "consumed_samples": consumed,
         "rng_state": _rng_sharded_object(None if loading else _rng_state()),
     }
-
-
-def _materialized(optimizer):
-    """ZeRO-Cache's offloaded weights readable in place while a checkpoint is written or read."""
-    import contextlib
-
-    return getattr(optimizer, "materialized", contextlib.nullcontext)()
 
 
 MANIFEST = "manifest.json"
@@ -177,7 +170,7 @@ def verify(path: Path) -> Optional[str]:
 
 
 def save(root: str, iteration: int, consumed: int, model, optimizer, scheduler, config: dict,
-         keep: Optional[int] = None) -> Path:
+         keep: Optional[int] = None, multi_slice: bool = True) -> Path:
     """Writes iter_N.tmp, fsyncs it, writes its manifest, renames it into place, then moves the tracker;
     a process killed at any point leaves the previous checkpoint and tracker intact."""
     root_path = Path(root)
@@ -187,8 +180,7 @@ def save(root: str, iteration: int, consumed: int, model, optimizer, scheduler, 
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
-    multi_slice = config.get("zero_cache", {}).get("save_large_model_multi_slice", True)
-    with _materialized(optimizer):
+    with optimizer.materialized():
         dist_checkpointing.save(_state(model, optimizer, scheduler, iteration, consumed, loading=False), str(tmp),
                                 sharded_strategy=_save_strategy(multi_slice))
     dist.barrier()
@@ -232,7 +224,7 @@ def load(root: str, model, optimizer, scheduler) -> Tuple[int, int]:
     dist.broadcast_object_list(problem, src=0)
     if problem[0]:
         raise ConfigError(f"checkpoint.load: {problem[0]}")
-    with _materialized(optimizer):
+    with optimizer.materialized():
         state = dist_checkpointing.load(_state(model, optimizer, scheduler, 0, 0, loading=True), str(path))
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])

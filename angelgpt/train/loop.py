@@ -14,9 +14,12 @@ from megatron.core import parallel_state
 from angelgpt.config import Config
 from angelgpt.data.dataset import micro_batches
 from angelgpt.model.flops import flops_per_iteration
-from angelgpt.parallel import print_rank_0
+from angelgpt.parallel.log import EVERY_RANK, get_logger
 from angelgpt.train import checkpoint
+from angelgpt.optimizer import Optimizer
 from angelgpt.train.metrics import MetricsWriter, gpu_alloc_retries, gpu_memory_gib, host_memory_gib
+
+log = get_logger(__name__)
 
 
 class TrainingAborted(RuntimeError):
@@ -91,7 +94,7 @@ def _mean_loss(stats: List[Dict[str, torch.Tensor]], device) -> float:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, model, optimizer, scheduler, train_ds, valid_ds, on_gpu: bool):
+    def __init__(self, cfg: Config, model, optimizer: Optimizer, scheduler, train_ds, valid_ds, on_gpu: bool):
         self.cfg = cfg
         self.model = model
         self.optimizer = optimizer
@@ -101,7 +104,7 @@ class Trainer:
         self.on_gpu = on_gpu
         self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
         self.dp = parallel_state.get_data_parallel_world_size()
-        self.num_microbatches = cfg.train.global_batch_size // (cfg.train.micro_batch_size * self.dp)
+        self.num_microbatches = cfg.num_microbatches(self.dp)
         if on_gpu:
             from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -123,11 +126,6 @@ class Trainer:
             micro_batch_size=self.cfg.train.micro_batch_size, forward_only=forward_only,
         )
 
-    def _zero_grad(self) -> None:
-        if hasattr(self.model, "zero_grad_buffer"):  # Megatron DDP
-            self.model.zero_grad_buffer()
-        self.optimizer.zero_grad()
-
     @torch.no_grad()
     def evaluate(self) -> float:
         self.model.eval()
@@ -143,22 +141,23 @@ class Trainer:
         root = ck.load or (ck.save if ck.save and checkpoint.latest_iteration(ck.save) is not None else None)
         if root:
             self.iteration, self.consumed = checkpoint.load(root, self.model, self.optimizer, self.scheduler)
-            print_rank_0(f"resumed from {root} at iteration {self.iteration}")
+            log.info(f"resumed from {root} at iteration {self.iteration}")
 
     def _optimizer_profile(self) -> dict:
-        """ZeRO-Cache's transfer and optimizer times of the last iteration, when profiling is on."""
-        record = getattr(self.optimizer, "profile_record", lambda: None)()
+        """The optimizer's transfer and update times of the last iteration, when it profiles them."""
+        record = self.optimizer.profile_record()
         if not record:
             return {}
         if self.owns_log:
-            print(self.optimizer.profile.line(), flush=True)
+            log.info(self.optimizer.profile_line(), extra=EVERY_RANK)
         return {"zero_cache_profile": record}
 
     def save(self) -> None:
         from angelgpt.config import to_dict
 
-        checkpoint.save(self.cfg.checkpoint.save, self.iteration, self.consumed, self.model,
-                        self.optimizer, self.scheduler, to_dict(self.cfg), self.cfg.checkpoint.keep)
+        ck = self.cfg.checkpoint
+        checkpoint.save(ck.save, self.iteration, self.consumed, self.model, self.optimizer, self.scheduler,
+                        to_dict(self.cfg), ck.keep, ck.multi_slice)
 
     def train(self) -> float:
         cfg = self.cfg
@@ -177,7 +176,7 @@ class Trainer:
         in_a_row = 0
         while not last:
             PHASE["now"] = f"iteration {self.iteration + 1}: forward and backward"
-            self._zero_grad()
+            self.optimizer.zero_grad()
             stats = self._run(it, forward_only=False)
             loss = _mean_loss(stats, self.device)
             loss_ok = all_ranks(math.isfinite(loss) or not parallel_state.is_pipeline_last_stage(), self.device)
@@ -186,7 +185,7 @@ class Trainer:
                 ok, grad_norm, _ = self.optimizer.step()
             else:  # a non-finite loss: leave the weights alone
                 ok, grad_norm = False, float("nan")
-                self._zero_grad()
+                self.optimizer.zero_grad()
             grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
             if ok and math.isfinite(grad_norm):
                 self.scheduler.step(increment=1)
@@ -232,13 +231,12 @@ class Trainer:
                 self.save()
                 window_start, window_iters = time.perf_counter(), 0
         self.writer.close()
-        if hasattr(self.optimizer, "close"):
-            self.optimizer.close()
+        self.optimizer.close()
         if aborting:
             where = f"; the last good state is saved in {cfg.checkpoint.save}" if cfg.checkpoint.save else ""
             raise TrainingAborted(f"{in_a_row} consecutive iterations had a non-finite loss or gradient norm "
                                   f"(last at iteration {self.iteration}){where}")
         if stop:
-            print_rank_0(f"stopped by signal at iteration {self.iteration}"
+            log.info(f"stopped by signal at iteration {self.iteration}"
                          + (f", checkpoint saved in {cfg.checkpoint.save}" if cfg.checkpoint.save else ""))
         return loss

@@ -9,6 +9,9 @@ from typing import Optional
 
 import torch
 
+from angelgpt.parallel.log import EVERY_RANK, get_logger
+
+log = get_logger(__name__)
 GIB = 1024 ** 3
 
 
@@ -69,7 +72,7 @@ class MetricsWriter:
             f" skipped iterations: {skipped:3d} |"
             f" mem GPU (GiB): {record['mem_gpu_gib']:.2f} | mem host (GiB): {record['mem_host_gib']:.2f} |"
         )
-        print(line, flush=True)
+        log.info(line, extra=EVERY_RANK)
         if self.jsonl:
             self.jsonl.write(json.dumps(record) + "\n")
             self.jsonl.flush()

@@ -17,26 +17,18 @@ from megatron.core import parallel_state
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from angelgpt.config import Config
-
-
-def _no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
-    return name.endswith(".bias") or param.ndim == 1
+from angelgpt.optimizer import Optimizer, clip_coefficient, no_weight_decay
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> List[dict]:
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if p.requires_grad:
-            (no_decay if _no_weight_decay(name, p) else decay).append(p)
+            (no_decay if no_weight_decay(name, p) else decay).append(p)
     return [
         {"params": decay, "weight_decay": weight_decay, "wd_mult": 1.0},
         {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0},
     ]
-
-
-def clip_coefficient(norm: float, clip_grad: float) -> float:
-    """Scale for gradients so their global norm is at most clip_grad (as Megatron and torch clip)."""
-    return min(1.0, clip_grad / (norm + 1.0e-6)) if clip_grad > 0 else 1.0
 
 
 def global_grad_norm(params: List[torch.nn.Parameter]) -> torch.Tensor:
@@ -52,8 +44,9 @@ def global_grad_norm(params: List[torch.nn.Parameter]) -> torch.Tensor:
     return sq.sqrt()
 
 
-class CPUDataParallelAdamW:
-    """Megatron-optimizer interface (step, zero_grad, param_groups, sharded_state_dict) on CPU."""
+class CPUDataParallelAdamW(Optimizer):
+    """Megatron's distributed optimizer's math on CPU: DP-averaged gradients, global-norm clipping,
+    torch's AdamW on fp32 weights."""
 
     def __init__(self, model: torch.nn.Module, cfg: Config):
         o = cfg.optim
@@ -110,7 +103,7 @@ class CPUDataParallelAdamW:
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
-    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **_):
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False):
         from megatron.core.dist_checkpointing.optimizer import (
             get_param_id_to_sharded_param_map,
             optim_state_to_sharding_state,
@@ -137,7 +130,33 @@ class CPUDataParallelAdamW:
         self.optimizer.load_state_dict(state)
 
 
-def build_megatron_optimizer(model, cfg: Config):
+class MegatronDistributedOptimizer(Optimizer):
+    """Megatron's distributed optimizer (or its CPU offload) with the DDP model whose gradient buffer it
+    steps from: zero_grad clears both."""
+
+    def __init__(self, ddp_model, megatron_optimizer):
+        self.model = ddp_model
+        self.inner = megatron_optimizer
+
+    @property
+    def param_groups(self):
+        return self.inner.param_groups
+
+    def step(self):
+        return self.inner.step()
+
+    def zero_grad(self) -> None:
+        self.model.zero_grad_buffer()
+        self.inner.zero_grad()
+
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False):
+        return self.inner.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.inner.load_state_dict(state)
+
+
+def build_megatron_optimizer(model, cfg: Config) -> MegatronDistributedOptimizer:
     """Megatron's distributed optimizer over a Megatron DDP-wrapped model (GPU), optionally with its CPU offload."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -152,7 +171,7 @@ def build_megatron_optimizer(model, cfg: Config):
         clip_grad=o.clip_grad, bf16=True, params_dtype=torch.bfloat16,
         use_distributed_optimizer=True, **offload,
     )
-    return get_megatron_optimizer(opt_config, [model])
+    return MegatronDistributedOptimizer(model, get_megatron_optimizer(opt_config, [model]))
 
 
 def build_scheduler(optimizer, cfg: Config) -> OptimizerParamScheduler:

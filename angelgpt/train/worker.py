@@ -6,9 +6,14 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import warnings
+
+from angelgpt.parallel.log import get_logger, setup_logging
+
+log = get_logger(__name__)
 
 
 def _args(argv):
@@ -19,8 +24,13 @@ def _args(argv):
     return parser.parse_args(argv)
 
 
-def build(cfg, on_gpu: bool):
-    """Model, optimizer and scheduler for this rank."""
+# set by `angelgpt train`: the machine reading it resolved 'auto' with (JSON), and the line it printed
+MACHINE_ENV = "ANGELGPT_MACHINE"
+RESOLVED_ENV = "ANGELGPT_RESOLVED"
+
+
+def build(cfg, on_gpu: bool, beside_store_bytes: int = 0):
+    """Model, optimizer and scheduler for this rank, from a resolved config (no 'auto' left)."""
     from angelgpt.model.gpt import build_gpt
     from angelgpt.train.optim import CPUDataParallelAdamW, build_megatron_optimizer, build_scheduler
 
@@ -35,7 +45,7 @@ def build(cfg, on_gpu: bool):
         from angelgpt.zero_cache.optimizer import ZeroCacheOptimizer
 
         device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-        optimizer = ZeroCacheOptimizer(model, cfg, device)
+        optimizer = ZeroCacheOptimizer(model, cfg, device, beside_store_bytes)
     elif on_gpu:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed import finalize_model_grads
@@ -50,24 +60,30 @@ def build(cfg, on_gpu: bool):
     return model, optimizer, build_scheduler(optimizer, cfg)
 
 
-def _resolve_recompute(cfg, on_gpu: bool):
-    """model.recompute 'auto' made concrete: rank 0's planner decides (host memory differs a little
-    from rank to rank), every rank follows."""
-    from dataclasses import replace
-
-    import torch
+def resolve_once(cfg, on_gpu: bool):
+    """The config with every 'auto' made concrete, once, by rank 0 (host memory differs a little from
+    rank to rank); every rank follows. Launched by `angelgpt train`, it resolves from the launcher's
+    machine reading, so it settles what the launcher printed (and says so if it did not); launched by
+    torchrun alone, from its own reading, and prints what it settled."""
     import torch.distributed as dist
 
-    from angelgpt import parallel
-    from angelgpt.planner.plan import resolve_recompute
+    from angelgpt.planner import Machine, read_this_machine, resolve_config, resolved_line
 
-    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-    choice = [resolve_recompute(cfg, device) if dist.get_rank() == 0 else None]
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    nodes = max(1, int(os.environ.get("WORLD_SIZE", "1")) // local)
+    choice = [None]
+    if dist.get_rank() == 0:
+        reading = os.environ.get(MACHINE_ENV)
+        machine = Machine.from_json(reading) if reading else read_this_machine(cfg.zero_cache, local)
+        resolved, _ = resolve_config(cfg, machine, local, nodes, on_gpu)
+        line, launcher_line = resolved_line(cfg, resolved), os.environ.get(RESOLVED_ENV)
+        if launcher_line is None and line:
+            log.info(line)
+        elif launcher_line is not None and line != launcher_line:
+            log.warning(f"the workers resolved 'auto' differently from the launcher: {line}")
+        choice = [resolved]
     dist.broadcast_object_list(choice, src=0)
-    recompute, num_layers = choice[0]
-    parallel.print_rank_0(f"model.recompute auto: {recompute}"
-                          + (f", the first {num_layers} layers of each stage" if num_layers else ""))
-    return replace(cfg, model=replace(cfg.model, recompute=recompute, recompute_num_layers=num_layers))
+    return choice[0]
 
 
 def run(cfg) -> float:
@@ -78,9 +94,8 @@ def run(cfg) -> float:
     from angelgpt.config import ConfigError
     from angelgpt.data.dataset import build_datasets
     from angelgpt.data.tokenizer import MockTokenizer, load_tokenizer
+    from angelgpt.planner import beside_store_bytes
     from angelgpt.train.loop import Trainer, install_signal_handlers
-
-    import logging
 
     logging.getLogger("megatron.core.datasets").setLevel(logging.ERROR)  # index-cache chatter on stderr
     install_signal_handlers()  # before anything slow: a signal during set-up stops at the first boundary
@@ -92,8 +107,8 @@ def run(cfg) -> float:
     cfg.data_parallel_size(world)
     parallel.initialize(cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size, on_gpu,
                         cfg.parallel.distributed_timeout_minutes)
-    if cfg.model.recompute == "auto":
-        cfg = _resolve_recompute(cfg, on_gpu)
+    setup_logging()
+    cfg = resolve_once(cfg, on_gpu)
     torch.manual_seed(cfg.train.seed)
     if on_gpu:
         from megatron.core import tensor_parallel
@@ -106,25 +121,21 @@ def run(cfg) -> float:
     if tokenizer.vocab_size > cfg.padded_vocab_size():
         raise ConfigError(f"tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size is "
                           f"{cfg.model.vocab_size}; set model.vocab_size={tokenizer.vocab_size}")
-    model, optimizer, scheduler = build(cfg, on_gpu)
-    if hasattr(optimizer, "summary"):
-        parallel.print_rank_0(optimizer.summary())
+    model, optimizer, scheduler = build(cfg, on_gpu, beside_store_bytes(cfg) if on_gpu else 0)
+    summary = optimizer.summary()
+    if summary:
+        log.info(summary)
     if on_gpu:
-        from angelgpt.parallel import print_rank_0
-
-        rate = getattr(optimizer, "rate", None)
-        print_rank_0(f"built model and optimizer: GPU {torch.cuda.memory_allocated() / 2**30:.2f} GiB allocated"
-                     + (f", zero_cache rate {rate:.2f}, device bytes {optimizer.allocated_bytes()}" if rate is not None
-                        else ""))
+        log.info(f"built model and optimizer: GPU {torch.cuda.memory_allocated() / 2**30:.2f} GiB allocated")
     gb = cfg.train.global_batch_size
     valid_samples = cfg.train.eval_iters * gb if cfg.train.eval_interval else 0
     train_ds, valid_ds = build_datasets(cfg, tokenizer, cfg.train.train_iters * gb, valid_samples)
     trainer = Trainer(cfg, model, optimizer, scheduler, train_ds, valid_ds, on_gpu)
     trainer.maybe_resume()
-    parallel.print_rank_0(f"training from iteration {trainer.iteration} to {cfg.train.train_iters} "
-                          f"(DP={parallel_state.get_data_parallel_world_size()}, "
-                          f"TP={cfg.parallel.tensor_model_parallel_size}, PP={cfg.parallel.pipeline_model_parallel_size}, "
-                          f"device={'cuda' if on_gpu else 'cpu'})")
+    log.info(f"training from iteration {trainer.iteration} to {cfg.train.train_iters} "
+             f"(DP={parallel_state.get_data_parallel_world_size()}, "
+             f"TP={cfg.parallel.tensor_model_parallel_size}, PP={cfg.parallel.pipeline_model_parallel_size}, "
+             f"device={'cuda' if on_gpu else 'cpu'})")
     return trainer.train()
 
 

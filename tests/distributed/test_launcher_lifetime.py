@@ -109,6 +109,7 @@ def test_second_run_on_a_directory_is_refused_until_the_first_is_dead(tmp_path):
     assert lines[0].startswith(f"angelgpt: error: checkpoint directory {ck} is in use by another run "
                                f"(host {socket.gethostname()}, PID {first.pid})"), lines[0]
     assert "training from iteration" not in second.stdout
+    assert "torchrun command" not in second.stdout  # refused before anything was printed or launched
 
     kill_launcher(first, ck)  # the kernel drops a dead holder's lock
     last = tracker(ck)

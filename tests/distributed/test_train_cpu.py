@@ -62,8 +62,27 @@ def test_tensorboard_event_files(tmp_path):
     assert steps == [1, 2, 3]
 
 
-def test_recompute_auto_resolves_to_none_on_cpu_on_every_rank(tmp_path):
-    records, out = train_tiny(tmp_path, "auto", "train.train_iters=2", "model.recompute=auto", nproc=2,
-                              with_output=True)
-    assert "model.recompute auto: none" in out
+def test_auto_is_resolved_once_and_the_checkpoint_records_the_resolved_config(tmp_path):
+    """The launcher prints what every 'auto' became; the workers, resolving from the launcher's machine
+    reading, settle the same (they would warn otherwise), and the checkpoint's manifest holds the
+    concrete config."""
+    import json
+
+    save = tmp_path / "ck"
+    records, out = train_tiny(tmp_path, "auto", "train.train_iters=2", "model.recompute=auto",
+                              "optim.optimizer=zero_cache", f"checkpoint.save={save}", nproc=2, with_output=True)
+    resolved = [line for line in out.splitlines() if line.startswith("resolved: ")]
+    assert len(resolved) == 1, out  # printed once, by the launcher
+    assert "model.recompute=none" in resolved[0] and "zero_cache.prefetch_cache_sub_group_rate" not in resolved[0]
+    assert "zero_cache.accumulate_in_store=false" in resolved[0] and "train.device=cpu" not in resolved[0]
     assert [r["iteration"] for r in records] == [1, 2]
+    config = json.loads((save / "iter_0000002" / "manifest.json").read_text())["config"]
+
+    def autos(tree, where=""):
+        for key, value in tree.items():
+            if isinstance(value, dict):
+                yield from autos(value, f"{where}{key}.")
+            elif value == "auto":
+                yield where + key
+
+    assert list(autos(config)) == [], config

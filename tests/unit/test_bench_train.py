@@ -14,11 +14,14 @@ failure = load_script("bench_train")["failure"]
 
 
 def test_a_refusal_before_launch_is_recorded_with_what_was_short(monkeypatch, capsys):
-    # the launcher's check reads the GPU's size from CUDA; this machine has none, so it is given an H200's
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=150_117_965_824))
+    # the launcher reads the GPU from CUDA; this machine has none, so it is given an H200
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: SimpleNamespace(name="NVIDIA H200", total_memory=150_117_965_824))
     cfg = resolve("h200-16b", overrides=["model.num_layers=20", "train.global_batch_size=32"])
+    _, _, planned, _ = app._resolve(cfg, True, 1, 1)
     with pytest.raises(SystemExit) as exit_:
-        app._check_plan(cfg, 1, 1, force=False)
+        app._check_plan(planned, force=False)
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     got = failure(err, 2)
