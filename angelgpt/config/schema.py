@@ -33,6 +33,29 @@ def _fraction_or_auto(key: str, value) -> None:
         _require(0.0 <= value <= 1.0, f"{key} must be in [0, 1] or 'auto', got {value}")
 
 
+def _importable(module: str) -> bool:
+    """The module is installed (found, not imported)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _start_end(key: str, value) -> List[int]:
+    """[START, END] from "START,END" or a list of two ints, with END >= START >= 1."""
+    parts = value.split(",") if isinstance(value, str) else value
+    try:
+        pair = [int(str(p).strip()) for p in parts]
+    except ValueError:
+        pair = []
+    _require(len(pair) == 2 and all(not isinstance(p, (bool, float)) for p in parts)
+             and 1 <= pair[0] <= pair[1],
+             f"{key} must be START,END with END >= START >= 1 (iterations, inclusive), got '{value}'")
+    return pair
+
+
 def _positive(section: str, **values) -> None:
     for key, value in values.items():
         _require(value > 0, f"{section}.{key} must be > 0, got {value}")
@@ -78,7 +101,10 @@ class ModelConfig:
     activations in backward, Megatron's recompute_method 'block'; the others keep theirs. None: every
     layer (recompute_method 'uniform', one layer at a time). With 'auto' the planner sets it."""
     transformer_impl: str = "auto"
-    """'auto' (transformer-engine when it imports on GPU, else local), 'local' or 'transformer_engine'."""
+    """'local' (Megatron's local layers with angelgpt's scaled_dot_product_attention core attention: the
+    tested path, on CPU and GPU), 'transformer_engine' (Megatron's transformer-engine spec; GPU only,
+    needs `pip install angelgpt[te]`; an explicit opt-in that has not been run by angelgpt's tests) or
+    'auto', which is 'local' everywhere, whether or not transformer-engine is installed."""
 
     def __post_init__(self):
         _positive("model", num_layers=self.num_layers, hidden_size=self.hidden_size,
@@ -327,9 +353,39 @@ class LoggingConfig:
     """Directory for TensorBoard event files; None writes none."""
     metrics_file: Optional[str] = None
     """JSON-lines file that receives one record per log line."""
+    wandb_project: Optional[str] = None
+    """Weights & Biases project that receives the same records as TensorBoard (and the resolved config
+    as the run's config), from the rank that writes the log; None: no W&B. Needs `pip install
+    angelgpt[wandb]`."""
+    wandb_mode: Optional[str] = None
+    """'online', 'offline' (a run directory under wandb_dir, for `wandb sync` later) or 'disabled';
+    None: wandb's own choice (WANDB_MODE when set, else online, which needs `wandb login`)."""
+    wandb_dir: Optional[str] = None
+    """Directory W&B writes its run directory (wandb/...) under; None: wandb's own (WANDB_DIR, else the
+    working directory)."""
+    profile_steps: Optional[Union[str, List[int]]] = None
+    """Iterations START,END (1-based, inclusive; "START,END" or [START, END]) that torch.profiler
+    traces on every rank, written under profile_dir as RANK files TensorBoard's profiler plugin opens
+    (torch-tb-profiler); None: no profile."""
+    profile_dir: Optional[str] = None
+    """Directory for the profiler traces; None: TENSORBOARD_DIR/profile when tensorboard_dir is set (so
+    `tensorboard --logdir TENSORBOARD_DIR` shows them), else ./profile."""
+    memory_snapshot: Optional[str] = None
+    """GPU only: record the CUDA caching allocator's history from the start of training and write a
+    snapshot (a pickle for https://pytorch.org/memory_viz) to this path after the third iteration, or
+    at the end of a shorter run; with several ranks each writes PATH with .rankR before the suffix. On
+    CPU a one-line notice says it applies to GPUs."""
 
     def __post_init__(self):
         _positive("logging", log_interval=self.log_interval)
+        _require(self.wandb_mode in (None, "online", "offline", "disabled"),
+                 f"logging.wandb_mode must be 'online', 'offline', 'disabled' or null, got '{self.wandb_mode}'")
+        if self.wandb_project is not None:
+            _require(bool(str(self.wandb_project).strip()), "logging.wandb_project must not be empty")
+            _require(_importable("wandb"), "logging.wandb_project is set but wandb is not installed: "
+                                           "pip install 'angelgpt[wandb]' (or wandb)")
+        if self.profile_steps is not None:
+            self.profile_steps = _start_end("logging.profile_steps", self.profile_steps)
 
 
 @dataclass

@@ -7,7 +7,9 @@ Local .jsonl/.json/.txt/.parquet/.csv files (or globs) or a hub dataset name go 
 Megatron's IndexedDatasetBuilder to PREFIX_text_document.bin/.idx (uint16 tokens when the vocabulary
 fits, else int32). A .txt file holds one document per blank-line-separated paragraph. Bytes that are
 not UTF-8 are replaced (U+FFFD) and counted. Output is written under temporary names and renamed
-at the end, so a failure leaves no half-written pair behind.
+at the end, so a failure leaves no half-written pair behind; the output's directory is created when
+missing (once the input has been read). Progress bars (tokenizing, writing) go to stderr when it is a
+terminal, or when asked for (progress=True, or ANGELGPT_PROGRESS=1).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import numpy as np
 
 from angelgpt.config import ConfigError
 from angelgpt.data.sources import load_source
-from angelgpt.data.tokenizer import load_tokenizer
+from angelgpt.data.tokenizer import load_tokenizer, progress_bar, show_progress
 
 SUFFIX = "_text_document"
 
@@ -46,14 +48,14 @@ class PrepareSummary:
 
 
 def prepare(input_spec: str, tokenizer_dir: str, output_prefix: str, split: str = "train", text_key: str = "text",
-            workers: int = 1, append_eod: bool = False, progress: bool = True) -> PrepareSummary:
+            workers: int = 1, append_eod: bool = False, progress: Optional[bool] = None) -> PrepareSummary:
+    """progress: True or False draws progress bars or not; None (the default) draws them when stderr is
+    a terminal (tokenizer.show_progress)."""
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
     start = time.perf_counter()
     tok = load_tokenizer(tokenizer_dir)
-    out_dir = Path(output_prefix).resolve().parent
-    if not out_dir.is_dir():
-        raise ConfigError(f"--output: directory {out_dir} does not exist")
+    out_dir = _creatable_dir(Path(output_prefix).resolve().parent)
     prefix = str(Path(output_prefix).resolve()) + SUFFIX
     with tempfile.TemporaryDirectory(prefix="angelgpt-prepare-") as scratch_dir:
         scratch = Path(scratch_dir)
@@ -64,7 +66,8 @@ def prepare(input_spec: str, tokenizer_dir: str, output_prefix: str, split: str 
         ds = ds.filter(lambda batch: [bool(t and t.strip()) for t in batch[text_key]], batched=True, batch_size=2048)
         if len(ds) == 0:
             raise ConfigError(f"--input: {input_spec} holds no non-empty documents")
-        if progress:
+        shown = show_progress(progress)
+        if shown or (shown is None and sys.stderr.isatty()):
             import datasets
 
             datasets.enable_progress_bars()
@@ -87,18 +90,22 @@ def prepare(input_spec: str, tokenizer_dir: str, output_prefix: str, split: str 
             raise ConfigError(f"--input: {input_spec} tokenizes to no tokens")
         tmp_prefix = f"{prefix}.tmp{os.getpid()}"
         try:
+            out_dir.mkdir(parents=True, exist_ok=True)
             builder = IndexedDatasetBuilder(tmp_prefix + ".bin", dtype=dtype)
-            bar = _progress(tokens, progress)
-            for shard in sorted(shards.iterdir()):
-                with open(shard, "rb") as fh:
-                    while chunk := fh.read(64 << 20):
-                        builder.data_file.write(chunk)
-                        bar(len(chunk) // np.dtype(dtype).itemsize)
+            with progress_bar(progress, total=tokens, unit="tok", unit_scale=True, desc="writing") as bar:
+                for shard in sorted(shards.iterdir()):
+                    with open(shard, "rb") as fh:
+                        while chunk := fh.read(64 << 20):
+                            builder.data_file.write(chunk)
+                            bar.update(len(chunk) // np.dtype(dtype).itemsize)
             builder.sequence_lengths.extend(lengths[keep].tolist())
             builder.document_indices.extend(range(1, documents + 1))
             builder.finalize(tmp_prefix + ".idx")
             os.replace(tmp_prefix + ".bin", prefix + ".bin")
             os.replace(tmp_prefix + ".idx", prefix + ".idx")
+        except OSError as exc:
+            raise ConfigError(f"--output: cannot write {prefix}.bin/.idx in {out_dir}: "
+                              f"{exc.strerror or type(exc).__name__}") from None
         finally:
             for ext in (".bin", ".idx"):
                 if os.path.exists(tmp_prefix + ext):
@@ -126,17 +133,15 @@ def _encode_batch(batch, rank: Optional[int], spec: str, text_key: str, eod: Opt
     return {"length": [len(x) for x in ids]}
 
 
-def _progress(total_tokens: int, enabled: bool):
-    start = time.perf_counter()
-    done = [0]
-
-    def update(tokens: int) -> None:
-        done[0] += tokens
-        if enabled:
-            rate = done[0] / max(time.perf_counter() - start, 1e-9)
-            sys.stderr.write(f"\rwriting: {done[0]:,}/{total_tokens:,} tokens, {rate:,.0f} tokens/s")
-            if done[0] >= total_tokens:
-                sys.stderr.write("\n")
-            sys.stderr.flush()
-
-    return update
+def _creatable_dir(out_dir: Path) -> Path:
+    """out_dir, when it is a directory or can be made one (its nearest existing ancestor is a directory
+    this process may write in); else a one-line error. It is created only once the input has been read."""
+    existing = out_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"--output: cannot create directory {out_dir}: {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"--output: directory {out_dir} is not writable" if existing == out_dir
+                          else f"--output: cannot create directory {out_dir}: {existing} is not writable")
+    return out_dir

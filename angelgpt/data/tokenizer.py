@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 from typing import List, Optional
 
@@ -18,6 +21,45 @@ from angelgpt.data.sources import FORMATS, load_source
 
 MODEL_FILE = "tokenizer.model"
 SETTINGS_FILE = "tokenizer.json"
+PROGRESS_ENV = "ANGELGPT_PROGRESS"  # 1: progress bars even when stderr is not a terminal; 0: none
+
+
+def show_progress(progress: Optional[bool] = None) -> Optional[bool]:
+    """Whether progress bars are drawn, in tqdm's `disable` terms turned round: True or False as asked,
+    else $ANGELGPT_PROGRESS (1 or 0) when set, else None: only when stderr is a terminal."""
+    if progress is None and os.environ.get(PROGRESS_ENV, "") in ("0", "1"):
+        progress = os.environ[PROGRESS_ENV] == "1"
+    return progress
+
+
+def progress_bar(progress: Optional[bool] = None, **kwargs):
+    """A tqdm bar on stderr; `progress` as show_progress takes it (None: tqdm's disable=None, drawn only
+    when stderr is a terminal, so logs and captured output stay clean)."""
+    from tqdm import tqdm
+
+    shown = show_progress(progress)
+    return tqdm(file=sys.stderr, disable=None if shown is None else not shown, dynamic_ncols=True, **kwargs)
+
+
+@contextmanager
+def ticking(bar, seconds: float = 0.5):
+    """Redraws `bar` (its elapsed time) every `seconds` while a call that reports nothing runs."""
+    stop = threading.Event()
+
+    def tick():
+        while not stop.wait(seconds):
+            bar.refresh()
+
+    thread = None if bar.disable else threading.Thread(target=tick, name="angelgpt-progress", daemon=True)
+    if thread:
+        thread.start()
+    try:
+        yield bar
+    finally:
+        stop.set()
+        if thread:
+            thread.join()
+        bar.close()
 
 
 class MockTokenizer:
@@ -99,9 +141,12 @@ def load_tokenizer(spec: Optional[str]):
 
 
 def train_tokenizer(inputs: List[str], output: str, vocab_size: int = 32000, model_type: str = "unigram",
-                    input_sentence_size: int = 2_000_000, text_key: str = "text") -> dict:
+                    input_sentence_size: int = 2_000_000, text_key: str = "text",
+                    progress: Optional[bool] = None) -> dict:
     """Trains a SentencePiece model that round-trips any text exactly (identity normalisation, byte
-    fallback, no dummy prefix, whitespace kept) and writes tokenizer.model and tokenizer.json."""
+    fallback, no dummy prefix, whitespace kept) and writes tokenizer.model and tokenizer.json.
+    Progress (documents read per input, then SentencePiece's training time) goes to stderr as
+    progress_bar draws it."""
     import sentencepiece as spm
 
     if model_type not in ("bpe", "unigram"):
@@ -123,10 +168,14 @@ def train_tokenizer(inputs: List[str], output: str, vocab_size: int = 32000, mod
             if text_key not in ds.column_names:
                 raise ConfigError(f"--text-key: column '{text_key}' not in {spec}")
             text_file = scratch / f"text{len(files)}.txt"
-            with open(text_file, "w", encoding="utf-8") as fh:
-                for row in ds[text_key]:
-                    if row:
-                        fh.write(row.replace("\r", "") + "\n")
+            reading = progress_bar(progress, total=len(ds), unit=" docs", unit_scale=True,
+                                   desc=f"reading {Path(spec).name}")
+            with open(text_file, "w", encoding="utf-8") as fh, reading as bar:
+                for batch in ds.iter(batch_size=4096):
+                    for row in batch[text_key]:
+                        if row:
+                            fh.write(row.replace("\r", "") + "\n")
+                    bar.update(len(batch[text_key]))
             files.append(str(text_file))
         if not any(Path(f).stat().st_size for f in files):
             raise ConfigError("--input holds no text")
@@ -140,7 +189,9 @@ def train_tokenizer(inputs: List[str], output: str, vocab_size: int = 32000, mod
         out.mkdir(parents=True, exist_ok=True)
         tmp_prefix = out / f".tokenizer.tmp{os.getpid()}"
         try:
-            spm.SentencePieceTrainer.train(input=files, model_prefix=str(tmp_prefix), minloglevel=2, **settings)
+            with ticking(progress_bar(progress, desc=f"training SentencePiece ({model_type}, {vocab_size} pieces)",
+                                      bar_format="{desc}: {elapsed}")):
+                spm.SentencePieceTrainer.train(input=files, model_prefix=str(tmp_prefix), minloglevel=2, **settings)
         except Exception as exc:
             raise ConfigError(f"tokenizer training failed: {str(exc).splitlines()[0][:200]}") from None
         finally:

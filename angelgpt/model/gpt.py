@@ -1,7 +1,9 @@
 """Megatron-core GPTModel from an angelgpt Config.
 
-The layer spec is Megatron's transformer-engine spec when transformer-engine imports on GPU, else
-Megatron's local spec with angelgpt's SDPA core attention (runs on CPU too).
+The layer spec is Megatron's local spec with angelgpt's SDPA core attention (CPU and GPU; what
+model.transformer_impl 'auto' and 'local' build), or Megatron's transformer-engine spec when
+model.transformer_impl is 'transformer_engine' (GPU only, an explicit opt-in that angelgpt's tests
+have not run).
 """
 
 from __future__ import annotations
@@ -24,13 +26,14 @@ def have_transformer_engine() -> bool:
 
 
 def use_transformer_engine(cfg: Config, on_gpu: bool) -> bool:
+    """Only when model.transformer_impl is 'transformer_engine' (and it imports on this GPU)."""
     impl = cfg.model.transformer_impl
     if impl == "transformer_engine":
         if not (on_gpu and have_transformer_engine()):
             raise ConfigError("model.transformer_impl is 'transformer_engine' but transformer-engine does not "
                               "import here (it needs CUDA and `pip install angelgpt[te]`)")
         return True
-    return False  # 'local'; 'auto' is made concrete before anything is built (angelgpt.planner.resolve_config)
+    return False  # 'local', and 'auto', which angelgpt.planner.resolve_config makes 'local' first
 
 
 def transformer_config(cfg: Config, on_gpu: bool, perform_initialization: bool = True) -> TransformerConfig:

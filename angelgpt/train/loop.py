@@ -17,7 +17,7 @@ from angelgpt.model.flops import flops_per_iteration
 from angelgpt.parallel.log import EVERY_RANK, get_logger
 from angelgpt.train import checkpoint
 from angelgpt.optimizer import Optimizer
-from angelgpt.train.metrics import MetricsWriter, gpu_alloc_retries, gpu_memory_gib, host_memory_gib
+from angelgpt.train.metrics import MetricsWriter, Profiling, gpu_alloc_retries, gpu_memory_gib, host_memory_gib
 
 log = get_logger(__name__)
 
@@ -165,8 +165,8 @@ class Trainer:
         flops = flops_per_iteration(cfg)
         tokens_per_iter = cfg.train.global_batch_size * cfg.model.seq_length
         # a resumed run appends to its metrics file; a fresh one starts it anew
-        self.writer = MetricsWriter(self.owns_log, cfg.logging.metrics_file, cfg.logging.tensorboard_dir,
-                                    append=self.iteration > 0)
+        self.writer = MetricsWriter.for_config(self.owns_log, cfg, append=self.iteration > 0)
+        profiling = Profiling(cfg.logging, self.on_gpu, self.owns_log, self.iteration)
         it = micro_batches(self.train_ds, self.consumed, cfg.train.micro_batch_size,
                            parallel_state.get_data_parallel_rank(), self.dp, self.device)
         self.model.train()
@@ -175,6 +175,7 @@ class Trainer:
         last = self.iteration >= cfg.train.train_iters
         in_a_row = 0
         while not last:
+            profiling.begin(self.iteration + 1)
             PHASE["now"] = f"iteration {self.iteration + 1}: forward and backward"
             self.optimizer.zero_grad()
             stats = self._run(it, forward_only=False)
@@ -230,6 +231,8 @@ class Trainer:
                 PHASE["now"] = f"iteration {self.iteration}: checkpoint save"
                 self.save()
                 window_start, window_iters = time.perf_counter(), 0
+            profiling.end(self.iteration)
+        profiling.close()
         self.writer.close()
         self.optimizer.close()
         if aborting:

@@ -11,7 +11,6 @@ import pytest
 from angelgpt.config import ConfigError, resolve
 from angelgpt.planner import (GIB, MACHINES, Machine, beside_store_bytes, describe, machine_from, plan_for,
                               read_this_machine, resolve_config, resolved_line)
-from angelgpt.planner import resolve as resolve_module
 from angelgpt.planner.machines import FIGURES, RATES
 from angelgpt.planner.plan import CUDA_CONTEXT, WORKSPACE, activation_bytes
 
@@ -151,18 +150,26 @@ def test_other_optimizers_get_the_plans_recompute_and_zero_cache_settings_that_a
             zc.accumulate_in_store) == (1.0, False, 0.0, False)
 
 
-def test_what_is_found_on_the_machine_decides_the_kernel_and_the_layer_implementation(monkeypatch):
+def test_what_is_found_on_the_machine_decides_the_kernel(monkeypatch):
     cfg = resolve("tiny", overrides=["optim.optimizer=zero_cache"])
     cpu = describe("no CUDA GPU", 0, 1, 8 * GIB, 0)
     monkeypatch.setenv("CC", "/nonexistent/angelgpt-cc")
     assert resolve_config(cfg, cpu, 1, 1, False)[0].zero_cache.cpu_adam == "torch"
     monkeypatch.setenv("CC", sys.executable)  # found: the kernel would be built with it
     assert resolve_config(cfg, cpu, 1, 1, False)[0].zero_cache.cpu_adam == "native"
-    monkeypatch.setattr(resolve_module, "_have_transformer_engine", lambda: True)
-    assert resolve_config(cfg, cpu, 1, 1, False)[0].model.transformer_impl == "local"  # not on CPU
-    assert resolve_config(cfg, H200, 1, 1, True)[0].model.transformer_impl == "transformer_engine"
-    monkeypatch.setattr(resolve_module, "_have_transformer_engine", lambda: False)
+
+
+def test_transformer_impl_auto_is_the_tested_local_spec_even_where_transformer_engine_is_installed(monkeypatch):
+    import types
+
+    monkeypatch.setitem(sys.modules, "transformer_engine", types.ModuleType("transformer_engine"))
+    cfg = resolve("tiny")
+    assert cfg.model.transformer_impl == "auto"
+    cpu = describe("no CUDA GPU", 0, 1, 8 * GIB, 0)
+    assert resolve_config(cfg, cpu, 1, 1, False)[0].model.transformer_impl == "local"
     assert resolve_config(cfg, H200, 1, 1, True)[0].model.transformer_impl == "local"
+    opted_in = resolve("tiny", overrides=["model.transformer_impl=transformer_engine"])
+    assert resolve_config(opted_in, H200, 1, 1, True)[0].model.transformer_impl == "transformer_engine"
 
 
 def test_a_concrete_device_must_agree_with_where_it_is_resolved_for():
