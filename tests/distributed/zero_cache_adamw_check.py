@@ -47,14 +47,25 @@ def checkpoint_views(model, opt) -> dict:
         for ten in state.values():
             ptr = ten.data.data_ptr()
             if any(c.tier != "nvme" and c.states.data_ptr() <= ptr < c.states.data_ptr() + c.states.nbytes
-                   for c in opt.chunks):
+                   for c in opt.store.chunks):
                 counts["chunk"] += 1
-            elif mapped_file(ptr) in {str(c.file) for c in opt.chunks if c.tier == "nvme"}:
+            elif mapped_file(ptr) in {str(c.file) for c in opt.store.chunks if c.tier == "nvme"}:
                 counts["nvme_file"] += 1
             else:
                 counts["copy"] += 1
-    opt._loading = {}
+    opt.checkpoint._loading = {}
     return counts
+
+
+def concrete(cfg, on_gpu: bool):
+    """The config with every 'auto' made concrete as the workers settle it (the planner's resolve_config
+    for this machine; the optimizer takes only resolved configs), and the device bytes training needs
+    beside the store (on CUDA; the CPU's capacity check counts none)."""
+    from angelgpt.planner import MACHINES, beside_store_bytes, read_this_machine, resolve_config
+
+    machine = read_this_machine(cfg.zero_cache, 1) if on_gpu else MACHINES["h200"]
+    cfg, _ = resolve_config(cfg, machine, 1, 1, on_gpu)
+    return cfg, beside_store_bytes(cfg) if on_gpu else 0
 
 
 def main():
@@ -80,7 +91,9 @@ def main():
     torch.manual_seed(0)
     ref = build_gpt(cfg, on_gpu=False).to(device)  # the same weights: CPU init draws them from the seed
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
-    opt = ZeroCacheOptimizer(model, cfg, device)  # the hooks offload each layer during the backward passes
+    cfg, beside = concrete(cfg, on_gpu)
+    opt = ZeroCacheOptimizer(model, cfg, device, beside)  # the hooks offload each layer during the backward passes
+    store, weights = opt.store, opt.weights
     o = cfg.optim
     ref_opt = torch.optim.AdamW(param_groups(ref, o.weight_decay), lr=o.lr, betas=(o.adam_beta1, o.adam_beta2),
                                 eps=o.adam_eps, weight_decay=o.weight_decay)
@@ -104,43 +117,43 @@ def main():
         ref_opt.step()
         ok, norm, _ = opt.step()
         assert ok
-        opt.wait_all()  # pipelined: the update lands at the next forward's pre-hooks, or here
-        if opt.nvme:
-            nvme_files = sorted(str(f) for f in opt.nvme.dir.iterdir())
+        opt.wait()  # pipelined: the update lands at the next forward's pre-hooks, or here
+        if store.nvme:
+            nvme_files = sorted(str(f) for f in store.nvme.dir.iterdir())
         opt.zero_grad()
         ref_opt.zero_grad()
         if step == 0:  # one update: every parameter on its own
             with opt.materialized():
                 first_err = max(((p.to(q.device) - q).norm() / q.norm()).item()
                                 for p, q in zip(model.parameters(), ref.parameters()))
-    opt.peak_live_params = 0  # a forward without autograd (evaluation): each layer is released after use
+    weights.peak_live_params = 0  # a forward without autograd (evaluation): each layer is released after use
     with torch.no_grad():
         model(tokens, pos, None, labels=tokens)
-    eval_peak = opt.peak_live_params
+    eval_peak = weights.peak_live_params
     # after three updates the key biases, whose true gradient is zero, carry rounding noise that Adam
     # normalises into full steps, so the later updates are compared over the whole model
     with opt.materialized():  # offloaded layers' weights read from their host copies
         diff = sum(((p.to(q.device) - q) ** 2).sum() for p, q in zip(model.parameters(), ref.parameters())).sqrt()
         err = (diff / sum((q ** 2).sum() for q in ref.parameters()).sqrt()).item()
-    offloaded = [gi for gi, f in enumerate(opt.partitioned) if f]
-    released = all(p.numel() == 0 for gi in offloaded for p in opt.sub_groups[gi])
-    tiers = sorted({c.tier for c in opt.chunks})
-    allocated = opt.allocated_bytes()
-    nvme_dir = str(opt.nvme.dir) if opt.nvme else None
+    offloaded = [gi for gi, f in enumerate(store.partitioned) if f]
+    released = all(p.numel() == 0 for gi in offloaded for p in store.sub_groups[gi])
+    tiers = sorted({c.tier for c in store.chunks})
+    allocated = opt.memory()
+    nvme_dir = str(store.nvme.dir) if store.nvme else None
     with opt.materialized():  # as a checkpoint sees them: offloaded weights from their host copies
         in_place = checkpoint_views(model, opt)
     opt.close()
-    result = {"rank": rank, "first_update_max_rel_err": first_err, "three_updates_rel_err": err, "tiers": tiers, "allocated": allocated, "planned": opt.planned_bytes,
-              "nvme_files": nvme_files, "nvme_dir": nvme_dir, "owned_numel": sum(c.numel for c in opt.chunks),
+    result = {"rank": rank, "first_update_max_rel_err": first_err, "three_updates_rel_err": err, "tiers": tiers, "allocated": allocated, "planned": store.planned_bytes,
+              "nvme_files": nvme_files, "nvme_dir": nvme_dir, "owned_numel": sum(c.numel for c in store.chunks),
               "total_numel": sum(ref_p.numel() for ref_p in ref.parameters()), "offloaded_layers": offloaded,
-              "released_after_use": released, "prefetch_depth": opt.prefetch_depth,
+              "released_after_use": released, "prefetch_depth": weights.prefetch_depth,
               "eval_peak_live_params": eval_peak, "checkpoint_views": in_place,
-              "device_updated": sum(c.numel for c in opt.chunks if c.device_update),
-              "cpu_adam": "native" if opt.cpu_adam else "torch",
-              "host_numel": sum(c.numel for c in opt.chunks if c.tier == "host"),
-              "split_groups": [gi for gi, cs in enumerate(opt.chunks_of) if len({c.tier for c in cs}) > 1],
-              "chunks_per_group": max(len(cs) for cs in opt.chunks_of),
-              "layer_params": [opt.layouts[gi][1] * opt.dp_size for gi in offloaded]}
+              "device_updated": sum(c.numel for c in store.chunks if c.device_update),
+              "cpu_adam": "native" if store.cpu_adam else "torch",
+              "host_numel": sum(c.numel for c in store.chunks if c.tier == "host"),
+              "split_groups": [gi for gi, cs in enumerate(store.chunks_of) if len({c.tier for c in cs}) > 1],
+              "chunks_per_group": max(len(cs) for cs in store.chunks_of),
+              "layer_params": [store.layouts[gi][1] * store.dp_size for gi in offloaded]}
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, result)
     if rank == 0:

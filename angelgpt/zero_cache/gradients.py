@@ -1,0 +1,253 @@
+"""Gradients on their way into the store: the post-accumulate hooks, the reduction to each
+parameter's owner over DP, the copy into the owner's chunk (D2H stream for host chunks), in-store
+accumulation over micro batches (a host chunk's running sum through a device slot), the flush before
+the step, and the squared norm of what was stored.
+
+Owns: the backward state of one step (gradients seen per sub-group, micro batches offloaded,
+reductions in flight), the squared norm on the device, and the accumulation slots' cursor and
+events. Touches: the model's ``p.grad`` (released once copied), the chunks' ``grad`` and
+``grad_ready`` in the store, the D2H and H2D streams, the profile, and the store's ``update_free``
+events (waited on and cleared: the device update buffers share the slots' memory). Calls the update's
+``complete(gi)`` before a chunk's gradient is overwritten and the weights part's ``release(gi)``
+once an offloaded layer's backward is done.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import time
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from angelgpt.zero_cache.placement import ACCUMULATION_SLOTS
+from angelgpt.zero_cache.store import Store
+
+
+class Gradients:
+    def __init__(self, store: Store, weights, update):
+        self.store, self.weights, self.update = store, weights, update
+        self.device, self.model_dtype = store.device, store.model_dtype
+        self.group, self.dp_rank, self.dp_size = store.group, store.dp_rank, store.dp_size
+        self.use_reduce_scatter = store.use_reduce_scatter
+        self.accumulate, self.num_microbatches = store.accumulate, store.num_microbatches
+        self.max_reduce_events = store.cfg.zero_cache.max_param_reduce_events
+        self.params, self.sub_groups, self.group_of = store.params, store.sub_groups, store.group_of
+        self.layouts, self.slot_of, self.shape = store.layouts, store.slot_of, store.shape
+        self.partitioned = store.partitioned
+        self.streams, self.profile = store.streams, store.profile
+        self._n = store._n
+        self._acc_slots, self._update_free = store.acc_slots, store.update_free
+        self._acc_free, self._acc_slot = [None] * ACCUMULATION_SLOTS, 0
+        self.handles = []
+
+    def install_hooks(self, named) -> None:
+        """A post-accumulate hook on every parameter (on_grad)."""
+        for name, p in named:
+            self.handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+
+    def remove_hooks(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+    def reset_backward_state(self) -> None:
+        self._seen = collections.Counter()  # gradients of the sub-group in this micro batch so far
+        self._completed = collections.Counter()  # micro batches whose backward finished the sub-group
+        self._offloaded = [False] * len(self.sub_groups)
+        self._sq = torch.zeros((), dtype=torch.float32, device=self.device)
+        self._in_flight = collections.deque()
+        self._micro = collections.Counter()  # micro batches of each sub-group offloaded so far
+        self._sq_side = torch.zeros((), dtype=torch.float32, device=self.device)  # host sums' norms (H2D stream)
+
+    def _on_grad(self, p: torch.nn.Parameter) -> None:
+        """Post-accumulate hook: a sub-group whose gradients are final is reduced and offloaded now."""
+        gi = self.group_of[id(p)]
+        self._seen[gi] += 1
+        if self._seen[gi] == len(self.sub_groups[gi]):  # this micro batch is done with the sub-group
+            self._seen[gi] = 0
+            self._completed[gi] += 1
+            if self.accumulate or self._completed[gi] == self.num_microbatches:
+                self._offload(gi)
+            if self.partitioned[gi]:
+                self.weights.release(gi)
+
+    # -- reduce to the owner, offload, release ----------------------------------------------------
+    @torch.no_grad()
+    def _offload(self, gi: int, last: bool = False) -> None:
+        """This micro batch's (or, not accumulating in the store, the step's) gradients of a sub-group
+        go to their owner's chunk; the model's gradients are released."""
+        if self._offloaded[gi]:
+            return
+        first = self._micro[gi] == 0
+        self._micro[gi] += 1
+        last = last or not self.accumulate or self._micro[gi] >= self.num_microbatches
+        self._offloaded[gi] = last
+        if first:
+            self.update.complete(gi)  # never overwrite a chunk's gradient before its last update read it
+        group = self.sub_groups[gi]
+        if self.dp_size == 1:
+            self._to_owner(gi, [(p, p.grad if p.grad is not None else
+                                 torch.zeros(self.shape[id(p)], dtype=self.model_dtype, device=self.device))
+                                for p in group], first, last)
+            for p in group:  # a stream that reads it recorded itself there (_to_owner, _accumulate)
+                p.grad = None
+            return
+        per_rank, seg = self.layouts[gi]
+        flat = torch.zeros(self.dp_size * seg, dtype=torch.float32, device=self.device)
+        for r, ps in enumerate(per_rank):
+            off = r * seg
+            for p in ps:
+                if p.grad is not None:
+                    flat[off:off + self._n(p)].copy_(p.grad.reshape(-1))
+                off += self._n(p)
+        for p in group:  # copied into flat on this stream
+            p.grad = None
+        t0 = self.profile.start("reduce_scatter")
+        if self.use_reduce_scatter:
+            mine = torch.empty(seg, dtype=torch.float32, device=self.device)
+            work = dist.reduce_scatter_tensor(mine, flat, group=self.group, async_op=True)
+        else:
+            work = dist.all_reduce(flat, group=self.group, async_op=True)
+            mine = flat[self.dp_rank * seg:(self.dp_rank + 1) * seg]
+        self._in_flight.append((gi, work, mine, t0, first, last))
+        while len(self._in_flight) > self.max_reduce_events:
+            self._finish_reduce()
+
+    def _finish_reduce(self) -> None:
+        gi, work, mine, t0, first, last = self._in_flight.popleft()
+        work.wait()
+        self.profile.stop("reduce_scatter", t0)
+        mine.div_(self.dp_size)
+        per_rank, _ = self.layouts[gi]
+        grads, off = [], 0
+        for p in per_rank[self.dp_rank]:
+            grads.append((p, mine[off:off + self._n(p)].view(self.shape[id(p)])))
+            off += self._n(p)
+        self._to_owner(gi, grads, first, last)
+
+    def _to_owner(self, gi: int, grads, first: bool = True, last: bool = True) -> None:
+        """Owned gradients into their chunks, and their squared norm (on the device, no sync). The
+        first micro batch copies; later ones (accumulate_in_store) add (_accumulate)."""
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+        if not first:
+            return self._accumulate(gi, grads, last)
+        for p, g in grads:
+            if last and param_is_not_tensor_parallel_duplicate(p):
+                self._sq += torch.linalg.vector_norm(g, dtype=torch.float32).square()
+        # copied here without CUDA streams; a device chunk's copy stays on the compute stream too, so its
+        # gradient is free at once rather than held until the D2H stream's queued copies have passed
+        down = []
+        for p, g in grads:
+            c, off = self.slot_of[id(p)]
+            if not self.streams.cuda or c.tier == "device":
+                c.grad[off:off + self._n(p)].copy_(g.reshape(-1))
+            else:
+                down.append((c, off, p, g))
+        if not down:
+            return
+        produced = torch.cuda.current_stream(self.device).record_event()
+        t0 = self.profile.start("d2h", self.streams.d2h)
+        with torch.cuda.stream(self.streams.d2h):
+            self.streams.d2h.wait_event(produced)
+            for c, off, p, g in down:
+                c.grad[off:off + self._n(p)].copy_(g.reshape(-1), non_blocking=True)
+                g.record_stream(self.streams.d2h)
+                self.profile.add_bytes("d2h", g.numel() * g.element_size())
+            for c in {id(c): c for c, _, _, _ in down}.values():
+                c.grad_ready = self.streams.d2h.record_event()
+        self.profile.stop("d2h", t0, self.streams.d2h)
+
+    def _accumulate(self, gi: int, grads, last: bool) -> None:
+        """A later micro batch's gradients added to their owner's chunks: in place for device chunks; for
+        host chunks the running sum goes up to a device slot (H2D stream), gets the gradients added and,
+        after the last micro batch, its norm taken there, and goes back down (D2H stream)."""
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+        host = []
+        for p, g in grads:
+            c, off = self.slot_of[id(p)]
+            view = c.grad[off:off + self._n(p)]
+            if c.tier == "device":  # its first micro batch was copied on this stream too
+                view.add_(g.reshape(-1))
+                if last and param_is_not_tensor_parallel_duplicate(p):
+                    self._sq += torch.linalg.vector_norm(view, dtype=torch.float32).square()
+            else:
+                host.append((p, g, view))
+        if not host:
+            return
+        i = self._acc_slot = (self._acc_slot + 1) % len(self._acc_slots)
+        slot, pieces, off = self._acc_slots[i], [], 0
+        for p, g, view in host:
+            pieces.append((g.reshape(-1), view, slot[off:off + g.numel()], param_is_not_tensor_parallel_duplicate(p)))
+            off += g.numel()
+        if not self.streams.cuda:
+            for g, view, s, counted in pieces:
+                s.copy_(view)
+                s.add_(g)
+                view.copy_(s)
+                if last and counted:
+                    self._sq += torch.linalg.vector_norm(s, dtype=torch.float32).square()
+            return
+        if self._acc_free[i] is not None:
+            t0 = time.perf_counter()
+            self._acc_free[i].synchronize()  # the slot's last round trip is home (bounds gradients in flight)
+            self.profile.exposed("wait_slot", time.perf_counter() - t0)
+        h2d, d2h = self.streams.h2d, self.streams.d2h
+        for j, e in enumerate(self._update_free):  # the device update that shares the slots' memory is done
+            if e is not None:
+                h2d.wait_event(e)
+                self._update_free[j] = None
+        produced = torch.cuda.current_stream(self.device).record_event()
+        t0 = self.profile.start("accumulate", h2d)
+        with torch.cuda.stream(h2d):  # the sum so far comes up and the new gradients are added to it
+            for c in {id(c): c for c in (self.slot_of[id(p)][0] for p, _, _ in host)}.values():
+                if c.grad_ready is not None:
+                    h2d.wait_event(c.grad_ready)  # the previous micro batch's sum has landed
+            for g, view, s, counted in pieces:  # while the layer's backward may still be running:
+                s.copy_(view, non_blocking=True)  # only the add waits for its gradients
+            h2d.wait_event(produced)
+            for g, view, s, counted in pieces:
+                s.add_(g)
+                g.record_stream(h2d)
+                if last and counted:
+                    self._sq_side += torch.linalg.vector_norm(s, dtype=torch.float32).square()
+            summed = h2d.record_event()
+        self.profile.stop("accumulate", t0, h2d)
+        with torch.cuda.stream(d2h):  # and goes back down
+            d2h.wait_event(summed)
+            for g, view, s, counted in pieces:
+                view.copy_(s, non_blocking=True)
+            done = d2h.record_event()
+        self.profile.add_bytes("accumulate", 2 * off * slot.element_size())
+        self._acc_free[i] = done
+        for p, _, _ in host:
+            self.slot_of[id(p)][0].grad_ready = done
+
+    def flush(self) -> None:
+        """Offloads what no hook offloaded (a parameter without a gradient, a partial last micro batch)."""
+        for gi in range(len(self.sub_groups)):
+            if not self._offloaded[gi]:
+                self._offload(gi, last=True)
+        while self._in_flight:
+            self._finish_reduce()
+        if self.streams.cuda and self.accumulate:  # the norms of the host chunks' sums (side stream)
+            torch.cuda.current_stream(self.device).wait_stream(self.streams.h2d)
+        self._sq += self._sq_side
+
+    # -- the step's view of them ------------------------------------------------------------------
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+        self.reset_backward_state()
+
+    def global_norm(self) -> float:
+        sq = self._sq
+        if self.dp_size > 1:
+            dist.all_reduce(sq, group=self.group)
+        mp = parallel_state.get_model_parallel_group()
+        if mp.size() > 1:
+            dist.all_reduce(sq, group=mp)
+        return math.sqrt(sq.item())  # the one host sync of the step: clipping needs the norm

@@ -1,0 +1,335 @@
+"""The store: this rank's chunks of model states, the tier each lives in, and the buffers the other
+parts share.
+
+Owns: the partition of whole parameters over DP ranks, the sub-groups (one per transformer layer, the
+embedding first, the final norm and output last) and their DP layouts, the chunks (``Chunk``: flat
+fp32 master, exp_avg, exp_avg_sq and a flat gradient buffer in the model dtype, per sub-group and
+weight-decay class), their placement over the tiers (``placement.place``, refused on every rank when
+one rank's does not fit), the tiers' allocators, the update scratch, the pinned upload buffers, the
+device pool that the accumulation slots and the device update buffers share, the CPU AdamW kernel,
+the CUDA streams and the time profile. Reads the config (concrete: no 'auto' left) and the DP group.
+
+Touches the model's parameters only while allocating: their weights are copied into the chunks, and
+an offloaded layer's weights leave the device through the ``release`` the weights part hands in. The
+other parts read what is here; after construction only they change it (chunk gradients, states,
+events), each the fields its docstring names.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from angelgpt.config import Config, ConfigError
+from angelgpt.optimizer import no_weight_decay
+from angelgpt.zero_cache.cpu_adam import CpuAdam, CpuAdamUnavailable
+from angelgpt.zero_cache.pipeline import Profile, Streams
+from angelgpt.zero_cache.placement import (ACCUMULATION_SLOTS, DEVICE_UPDATE_SLICE, GPU_HEADROOM, SLICE, STATES,
+                                           accumulation_bytes, chunk_runs, device_update_bytes, largest_off_device_group,
+                                           partition, place, prefetch_depth, training_reserve)
+from angelgpt.zero_cache.tiers import (GIB, DeviceTier, HostTier, NVMeTier, available_bytes, check_capacity,
+                                       check_memlock)
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def refuse_together(check) -> None:
+    """Runs a rank's refusal check on every rank: when any refuses, all raise the first refusing rank's
+    message (prefixed with its rank), so rank 0 reports it and no rank waits in a collective for one
+    that left. Placements differ per rank (an uneven DP partition), so one rank alone may not fit."""
+    try:
+        check()
+        problem = None
+    except ConfigError as exc:
+        problem = str(exc)
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        if problem:
+            raise ConfigError(problem)
+        return
+    problems = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, problem)
+    for rank, text in enumerate(problems):
+        if text:
+            raise ConfigError(text if rank == 0 else f"rank {rank}: {text}")
+
+
+def sub_group_index(name: str, num_layers: int) -> int:
+    """0 for embeddings, 1 + layer number for a transformer layer, num_layers + 1 for the rest."""
+    m = _LAYER.search(name)
+    if m:
+        return 1 + int(m.group(1))
+    return 0 if "embedding" in name else num_layers + 1
+
+
+def hook_module_name(name: str) -> str:
+    """The module whose forward pre-hook waits for this parameter: its transformer layer, else its owner."""
+    m = _LAYER.search(name)
+    return name[:m.end() - 1] if m else name.rsplit(".", 1)[0]
+
+
+@dataclass
+class Chunk:
+    """Flat states of the parameters one rank owns in one sub-group and weight-decay class."""
+
+    key: str
+    group: int
+    params: List[torch.nn.Parameter]
+    decay: bool
+    tier: str = "host"
+    numel: int = 0
+    offsets: List[int] = field(default_factory=list)
+    shapes: List[torch.Size] = field(default_factory=list)  # the params' shapes (a released param is empty)
+    states: Optional[torch.Tensor] = None  # [3, numel] fp32: master, exp_avg, exp_avg_sq (device/host tiers)
+    file: Optional[object] = None  # NVMe tier
+    grad: Optional[torch.Tensor] = None  # [numel], model dtype: reduced and owned (device tier, else host)
+    grad_ready: Optional[object] = None  # CUDA event: the gradient's D2H copy is done
+    weights: Optional[torch.Tensor] = None  # offloaded layer (offload_params): its weights, in the grad buffer
+    step: Optional[torch.Tensor] = None
+    device_update: bool = False  # a host chunk that the device updates (device_update_fraction)
+    states_home: Optional[object] = None  # CUDA event: its states are back in host memory after that update
+
+    def views(self, flat: torch.Tensor):
+        for p, off, shape in zip(self.params, self.offsets, self.shapes):
+            yield p, flat[off:off + shape.numel()].view(shape)
+
+
+class Store:
+    """Chunks, placement and buffers of one rank (built in two steps: ``Store(...)`` places the chunks,
+    ``allocate(release)`` fills the tiers once the weights part exists)."""
+
+    def __init__(self, named: List[Tuple[str, torch.nn.Parameter]], cfg: Config, device: torch.device,
+                 beside_store_bytes: int = 0):
+        zc, o = cfg.zero_cache, cfg.optim
+        self.cfg = cfg
+        self.device = device
+        self.beside_store_bytes = beside_store_bytes
+        self.offload_params = zc.offload_params
+        self.device_update_fraction = float(zc.device_update_fraction)
+        self.group = parallel_state.get_data_parallel_group()
+        self.dp_rank, self.dp_size = self.group.rank(), self.group.size()
+        self.use_reduce_scatter = dist.get_backend(self.group) == "nccl"
+        self.num_microbatches = cfg.num_microbatches(self.dp_size)
+        self.recompute = cfg.model.recompute == "full"
+        self.accumulate = zc.accumulate_in_store is True and self.num_microbatches > 1
+        self.rate = float(zc.prefetch_cache_sub_group_rate)
+
+        self.params = [p for _, p in named]
+        self.shape = {id(p): p.shape for p in self.params}
+        owners = partition([p.numel() for p in self.params], self.dp_size)
+        self.owner = {id(p): r for p, r in zip(self.params, owners)}
+        n_groups = cfg.model.num_layers + 2
+        groups: List[List[Tuple[str, torch.nn.Parameter]]] = [[] for _ in range(n_groups)]
+        decay = {}
+        for name, p in named:
+            groups[sub_group_index(name, cfg.model.num_layers)].append((name, p))
+            decay[id(p)] = not no_weight_decay(name, p)
+        groups = [g for g in groups if g]
+        self.sub_groups = [[p for _, p in g] for g in groups]
+        self.group_of = {id(p): gi for gi, g in enumerate(self.sub_groups) for p in g}
+        self.layouts = [self._owner_layout(g) for g in self.sub_groups]
+        # the scheduler sets 'lr' and 'weight_decay' here; the update reads them when a step starts
+        self.param_groups = [
+            {"params": [p for p in self.params if decay[id(p)]], "lr": o.lr, "weight_decay": o.weight_decay,
+             "wd_mult": 1.0},
+            {"params": [p for p in self.params if not decay[id(p)]], "lr": o.lr, "weight_decay": 0.0,
+             "wd_mult": 0.0},
+        ]
+
+        self.chunks: List[Chunk] = []
+        for gi, group in enumerate(self.sub_groups):
+            for is_decay in (True, False):
+                mine = [p for p in group if decay[id(p)] == is_decay and self.owner[id(p)] == self.dp_rank]
+                for part, run in enumerate(chunk_runs([p.numel() for p in mine])):
+                    c = Chunk(key=f"g{gi:04d}_{'decay' if is_decay else 'nodecay'}_{part}", group=gi,
+                              params=[mine[i] for i in run], decay=is_decay)
+                    off = 0
+                    for p in c.params:
+                        c.offsets.append(off)
+                        c.shapes.append(p.shape)
+                        off += p.numel()
+                    c.numel = off
+                    self.chunks.append(c)
+        self.chunks_of: List[List[Chunk]] = [[c for c in self.chunks if c.group == gi]
+                                             for gi in range(len(self.sub_groups))]
+        self.slot_of = {id(p): (c, off) for c in self.chunks for p, off in zip(c.params, c.offsets)}  # owned params
+        self.model_dtype = self.params[0].dtype
+        self._place(zc)
+        self.cpu_adam = self._load_cpu_adam(zc.cpu_adam)
+        self.streams = Streams(device)
+        self.profile = Profile(device, enabled=zc.is_communication_time_profiling)
+
+    # -- placement ---------------------------------------------------------------------------
+    def _place(self, zc) -> None:
+        grad_bytes = self.params[0].element_size()
+        if zc.nvme_path:  # chunk files a killed run left would count against this run's NVMe room
+            freed = NVMeTier.reclaim(zc.nvme_path)
+            if freed:
+                print(f"zero_cache: removed {freed / GIB:.2f} GiB of NVMe chunks that an ended run left under "
+                      f"{zc.nvme_path}", flush=True)
+        avail = available_bytes(self.device, zc.host_max_gib, zc.nvme_path, zc.nvme_max_gib)
+        numels = [c.numel for c in self.chunks]
+        groups = [c.group for c in self.chunks]
+        args = (groups, numels, len(self.sub_groups), self.rate, avail["host"],
+                bool(zc.nvme_path), grad_bytes, self.offload_params, self.accumulate)
+        kw = {"device_update_fraction": self.device_update_fraction}
+        tiers, flags, needed, streamed = place(*args, **kw)
+        if self.dp_size > 1:  # a layer is fetched (and all-gathered) on every rank or on none
+            t = torch.tensor([float(f) for f in flags], device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+            tiers, flags, needed, streamed = place(*args, allowed=[bool(v) for v in t.tolist()], **kw)
+        for c, t, d in zip(self.chunks, tiers, streamed):
+            c.tier, c.device_update = t, d
+        self.partitioned = flags
+        if self.device.type == "cuda":  # what training needs beside the states: activations and workspace
+            # (the caller's beside_store_bytes), gradients (every one while micro batches add up on the
+            # GPU) and offloaded layers in use, prefetched or not yet freed, as the planner counts them
+            largest = max(sum(self._n(p) for p in g) for g in self.sub_groups)
+            depth = prefetch_depth(largest, zc.prefetch_bucket_size, zc.max_live_parameters,
+                                   zc.max_contigous_params_size, grad_bytes)
+            avail["device"] -= training_reserve(self.beside_store_bytes, largest, grad_bytes, any(flags),
+                                                sum(self._n(p) for p in self.params),
+                                                self.num_microbatches > 1 and not self.accumulate, depth)
+            avail["device"] -= int(GPU_HEADROOM * torch.cuda.mem_get_info(self.device)[1])
+        # offloaded layers leave the device once their chunks exist, making room for the states
+        avail["device"] += grad_bytes * sum(self._n(p) for gi, f in enumerate(flags) if f for p in self.sub_groups[gi])
+        if not zc.nvme_path:
+            needed.pop("nvme")
+
+        def check():
+            check_capacity(needed, avail)
+            if self.device.type == "cuda":  # what crosses PCIe is pinned: host gradients, offloaded weights,
+                # the states the device updates
+                off = sum(c.numel for c, t in zip(self.chunks, tiers) if t != "device")
+                own_weights = sum(c.numel for c in self.chunks if flags[c.group]) if self.accumulate else 0
+                streamed = sum(c.numel for c in self.chunks if c.device_update)
+                check_memlock(grad_bytes * (off + own_weights) + STATES * 4 * streamed)
+
+        refuse_together(check)
+        self.planned_bytes = needed
+
+    def _load_cpu_adam(self, mode: str) -> Optional[CpuAdam]:
+        """The one-pass CPU AdamW when the CPU updates some chunk (None: torch's)."""
+        if self.device.type == "cuda" and not any(c.tier != "device" and not c.device_update for c in self.chunks):
+            return None
+        kernel = None
+
+        def load():
+            nonlocal kernel
+            try:
+                kernel = CpuAdam.load(mode)
+            except CpuAdamUnavailable as e:
+                raise ConfigError(f"zero_cache.cpu_adam=native cannot be built: {e}") from e
+
+        refuse_together(load)
+        return kernel
+
+    # -- allocation --------------------------------------------------------------------------
+    def allocate(self, release) -> None:
+        """Every chunk's states and gradient buffer in its tier, the scratch and staging buffers;
+        release(gi) drops an offloaded layer's weights from the device once its chunks hold them."""
+        on_cuda = self.device.type == "cuda"
+        self.tiers = {"device": DeviceTier(self.device), "host": HostTier(pin=on_cuda)}
+        zc = self.cfg.zero_cache
+        self.nvme = NVMeTier(zc.nvme_path) if zc.nvme_path else None
+        if self.nvme:
+            self.tiers["nvme"] = self.nvme
+        sizes = {t: [c.numel for c in self.chunks if (c.tier == "device") == (t == "device")] for t in ("device", "host")}
+        self.scratch = {t: self.tiers[t].allocate(min(max(n), SLICE)) for t, n in sizes.items() if n}
+        nvme_sizes = [c.numel for c in self.chunks if c.tier == "nvme"]
+        if nvme_sizes:
+            self.tiers["host"].bytes += self.nvme.reserve_staging(STATES * max(nvme_sizes))
+        upload = [c.numel for c in self.chunks
+                  if c.tier != "device" and not self.partitioned[c.group] and not c.device_update]
+        # two pinned buffers in the model dtype carry updated weights to the device (double buffered)
+        self.upload = [torch.empty(min(max(upload), SLICE), dtype=self.model_dtype, pin_memory=True)
+                       for _ in range(2)] if upload and on_cuda else []
+        self._allocate_shared()
+        done = collections.Counter()
+        for c in reversed(self.chunks):  # last layers first: offloaded ones leave the device before states arrive
+            grad_tier = self.tiers["device" if c.tier == "device" else "host"]
+            c.grad = grad_tier.allocate(c.numel, self.model_dtype, pinned=True)
+            step_device = self.device if c.tier == "device" or c.device_update else torch.device("cpu")
+            c.step = torch.zeros((), dtype=torch.float32, device=step_device)
+            # the owned weights reach the chunk through its gradient buffer (pinned when it is on the host)
+            for p, view in c.views(c.grad):
+                view.copy_(p.detach())
+            if self.partitioned[c.group] and self.accumulate:  # gradients arrive from the first micro batch on
+                c.weights = self.tiers["host"].allocate(c.numel, self.model_dtype, pinned=True)
+                c.weights.copy_(c.grad)
+            elif self.partitioned[c.group]:
+                c.weights = c.grad  # holds the weights until the last backward's gradients replace them
+            if c.tier == "nvme":
+                c.file = self.nvme.create(c.key, STATES * c.numel)
+                staging = self.nvme.staging(0, STATES * c.numel).zero_()
+                staging[:c.numel].copy_(c.grad)
+                NVMeTier.write(c.file, staging)
+            else:
+                c.states = self.tiers[c.tier].allocate(STATES * c.numel, pinned=c.device_update).view(STATES, c.numel)
+                c.states[0].copy_(c.grad)
+            done[c.group] += 1
+            if self.partitioned[c.group] and done[c.group] == len(self.chunks_of[c.group]):
+                release(c.group)
+
+    def _allocate_shared(self) -> None:
+        """One device buffer for what never runs at once: the accumulation slots that host chunks'
+        running sums make their round trips through (later backward passes), and the two buffers that
+        host chunks updated on the device stream through (between the last backward and the next
+        forward): [fp32 states and gradient] x 2, then [gradient as it arrives] x 2. update_free holds
+        the events of the update buffers' last use: the gradients part waits on them before a slot
+        overwrites that memory."""
+        groups, numels, tiers = ([c.group for c in self.chunks], [c.numel for c in self.chunks],
+                                 [c.tier for c in self.chunks])
+        streamed = [c.device_update for c in self.chunks]
+        size = self.model_dtype.itemsize
+        slot = largest_off_device_group(groups, numels, tiers) if self.accumulate else 0
+        n = min(max((c.numel for c in self.chunks if c.device_update), default=0), DEVICE_UPDATE_SLICE)
+        # the sizes placement counts: the slots, or the update buffers, whichever is larger
+        slots_bytes = accumulation_bytes(groups, numels, tiers, self.partitioned, size)["device"] \
+            if self.accumulate else 0
+        nbytes = max(slots_bytes, device_update_bytes(numels, streamed, size))
+        pool = self.tiers["device"].allocate(nbytes, torch.uint8) if nbytes else None
+        self.acc_slots = [pool[i * slot * size:(i + 1) * slot * size].view(self.model_dtype)
+                          for i in range(ACCUMULATION_SLOTS)] if slot else []
+        states = (STATES + 1) * 4 * n
+        self.update_bufs = [(pool[j * states:(j + 1) * states].view(torch.float32).view(STATES + 1, n),
+                             pool[2 * states + j * n * size:2 * states + (j + 1) * n * size].view(self.model_dtype))
+                            for j in range(2)] if n else []
+        self.update_free = [None, None]
+
+    def close(self) -> None:
+        """Unlocks the pinned host buffers and removes the NVMe files (nothing may read them after)."""
+        self.tiers["host"].close()
+        if self.nvme:
+            self.nvme.close()
+
+    # -- what it holds ------------------------------------------------------------------------
+    def summary(self) -> str:
+        """One line: where this rank's states went and who updates the host-resident ones."""
+        owned = {t: sum(c.numel for c in self.chunks if c.tier == t) for t in ("device", "host", "nvme")}
+        on_device = sum(c.numel for c in self.chunks if c.device_update)
+        return (f"zero_cache: prefetch_cache_sub_group_rate {self.rate:.2f}, offload_params {self.offload_params}; "
+                f"owned parameters' states on device {owned['device']:,}, host {owned['host']:,}, nvme "
+                f"{owned['nvme']:,}; host states updated on the device {on_device:,} "
+                f"(device_update_fraction {self.device_update_fraction:.2f}); CPU AdamW "
+                f"{'native' if self.cpu_adam else 'torch'}")
+
+    def allocated_bytes(self) -> Dict[str, int]:
+        """Bytes each tier actually holds (chunk states, owned gradients, scratch and staging)."""
+        return {name: tier.bytes for name, tier in self.tiers.items()}
+
+    def _n(self, p: torch.nn.Parameter) -> int:
+        return self.shape[id(p)].numel()
+
+    def _owner_layout(self, group: List[torch.nn.Parameter]):
+        """Per rank, its owned params in this sub-group and the size of a padded flat segment."""
+        per_rank: List[List[torch.nn.Parameter]] = [[] for _ in range(self.dp_size)]
+        for p in group:
+            per_rank[self.owner[id(p)]].append(p)
+        seg = max(sum(p.numel() for p in ps) for ps in per_rank)
+        return per_rank, seg

@@ -1,0 +1,302 @@
+"""The update: AdamW of every chunk once the step's gradients are in, pipelined with the next forward.
+
+Device chunks run fused AdamW on the GPU at once; one worker thread updates host and NVMe chunks
+sub-group by sub-group in forward order (the CPU AdamW, NVMe chunks read ahead and written back),
+uploading each slice's new weights through the pinned upload buffers on the upload stream; beside
+it a second thread has the GPU update the host chunks marked ``device_update`` (states up, fused
+AdamW there, weights in place, states back down). ``complete(gi)`` makes sub-group gi's new weights
+usable on the current stream (and all-gathers them over DP); ``wait_all()`` completes every one.
+
+Owns: the update threads and the NVMe read-ahead thread, the updates in flight per sub-group, the
+sub-groups still to all-gather, the upload buffers' and device update buffers' cursors and events.
+Touches: the chunks' states, step counters, NVMe files and ``states_home`` events in the store, an
+offloaded layer's ``weights`` (the new weights written over the gradient), the model's ``p.data``
+of resident layers (new weights copied in), the store's ``update_free`` events, the streams and the
+profile. Calls the gradients part (flush, global_norm, zero_grad) and the weights part (release of
+fetched copies before the update, all_gather after it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from angelgpt.optimizer import clip_coefficient
+from angelgpt.zero_cache.placement import DEVICE_UPDATE_SLICE, STATES, slices
+from angelgpt.zero_cache.store import Chunk, Store
+from angelgpt.zero_cache.tiers import NVMeTier
+
+
+class Update:
+    def __init__(self, store: Store, weights):
+        o = store.cfg.optim
+        self.store, self.weights = store, weights
+        self.gradients = None  # the Gradients part (flush, global_norm, zero_grad), set once it exists
+        self.device, self.dp_size = store.device, store.dp_size
+        self.pipelined = store.cfg.zero_cache.pipeline_optimizer
+        self.clip_grad = o.clip_grad
+        self.betas = (o.adam_beta1, o.adam_beta2)
+        self.eps = o.adam_eps
+        self.param_groups = store.param_groups
+        self.chunks, self.chunks_of, self.sub_groups = store.chunks, store.chunks_of, store.sub_groups
+        self.partitioned, self.cpu_adam = store.partitioned, store.cpu_adam
+        self.nvme, self.scratch = store.nvme, store.scratch
+        self._upload, self._update_bufs, self._update_free = store.upload, store.update_bufs, store.update_free
+        self._upload_done, self._slot = [None, None], 0  # which upload buffer comes next
+        self._update_slot = 0  # which device update buffer comes next
+        self.streams, self.profile = store.streams, store.profile
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero-cache-update")
+        self._device_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero-cache-device-update")
+        self._prefetcher = ThreadPoolExecutor(max_workers=1) if self.nvme else None
+        self._pending: Dict[int, List[Future]] = {}  # sub-group -> its updates in flight (events to wait on)
+        self._needs_gather: set = set()
+
+    @torch.no_grad()
+    def step(self) -> Tuple[bool, float, Optional[int]]:
+        t0 = time.perf_counter()
+        self.gradients.flush()
+        norm = self.gradients.global_norm()
+        for gi in list(self.weights.live):  # a fetched copy would be stale after this update
+            self.weights.release(gi)
+        if self.streams.cuda:
+            self.streams.h2d.synchronize()  # no fetch still reads a host copy the update will overwrite
+        self.profile.exposed("step", time.perf_counter() - t0)
+        self.profile.end_iteration()
+        if not math.isfinite(norm):
+            self.gradients.zero_grad()
+            return False, norm, None
+        coef = clip_coefficient(norm, self.clip_grad)
+        hyper = [(g["lr"], g["weight_decay"]) for g in self.param_groups]  # the scheduler moves on meanwhile
+        after_backward = None
+        if self.streams.cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self.streams.d2h)  # host chunks' gradients are in
+            after_backward = torch.cuda.current_stream(self.device).record_event()
+        for gi in range(len(self.sub_groups)):
+            for c in self.chunks_of[gi]:
+                if c.tier == "device":
+                    self._update_on_device(c, coef, hyper)
+            futures = []
+            if any(c.tier != "device" and not c.device_update for c in self.chunks_of[gi]):
+                futures.append(self._worker.submit(self._update_off_device, gi, coef, hyper, after_backward))
+            if any(c.device_update for c in self.chunks_of[gi]):
+                futures.append(self._device_worker.submit(self._update_streamed, gi, coef, hyper, after_backward))
+            if futures:
+                self._pending[gi] = futures
+            if self.dp_size > 1 and not self.partitioned[gi]:
+                self._needs_gather.add(gi)
+        if not self.pipelined:
+            t0 = time.perf_counter()
+            self.wait_all()
+            self.profile.exposed("step", time.perf_counter() - t0)
+        return True, norm, None
+
+    def _adamw(self, c: Chunk, states: torch.Tensor, grad: torch.Tensor, hyper, coef: float) -> None:
+        """AdamW where the chunk lives. On the CPU the one-pass kernel where it was built (every CPU
+        update uses it: placements agree); else torch's fused AdamW (fp32 gradient), clipping riding in
+        the kernel (grad_scale divides the gradient), so it costs no extra pass over memory."""
+        if self.cpu_adam is not None and not grad.is_cuda:
+            return self._native_adamw(c, states, grad, hyper, coef)
+        lr, wd = hyper[0 if c.decay else 1]
+        scale = None if coef >= 1.0 else torch.full((), 1.0 / coef, dtype=torch.float32, device=grad.device)
+        torch._fused_adamw_([states[0]], [grad], [states[1]], [states[2]], [], [c.step],
+                            lr=lr, beta1=self.betas[0], beta2=self.betas[1],
+                            weight_decay=wd, eps=self.eps, amsgrad=False, maximize=False, grad_scale=scale)
+
+    def _native_adamw(self, c: Chunk, states: torch.Tensor, grad: torch.Tensor, hyper, coef: float,
+                      out=None) -> None:
+        """The one-pass CPU kernel, the new weights into out (grad's dtype) unless it is None."""
+        lr, wd = hyper[0 if c.decay else 1]
+        self.cpu_adam.step(states, grad, out, step=int(c.step.item()), lr=lr, weight_decay=wd, betas=self.betas,
+                           eps=self.eps, coef=coef)
+
+    def _update_on_device(self, c: Chunk, coef: float, hyper) -> None:
+        c.step += 1
+        for lo, hi in slices(c.numel):
+            grad = self.scratch["device"][:hi - lo]
+            grad.copy_(c.grad[lo:hi])
+            self._adamw(c, c.states[:, lo:hi], grad, hyper, coef)
+        for p, view in c.views(c.states[0]):
+            p.data.copy_(view)
+
+    def _update_off_device(self, gi: int, coef: float, hyper, after_backward) -> list:
+        """Worker thread: host and NVMe chunks of one sub-group, a slice at a time (the fp32 gradient
+        scratch and the upload buffers hold one slice); returns the events of the uploads."""
+        events = []
+        for c in self.chunks_of[gi]:
+            if c.tier == "device" or c.device_update:
+                continue
+            if c.grad_ready is not None:
+                c.grad_ready.synchronize()
+            t0 = time.perf_counter()
+            states = self._nvme_states(c) if c.tier == "nvme" else c.states
+            c.step += 1
+            for lo, hi in slices(c.numel):
+                slot = None
+                if c.weights is not None:  # fetched from here before the layer next runs
+                    out = c.weights[lo:hi]
+                elif self.streams.cuda:  # up through a pinned staging buffer
+                    slot, out = self._staging(hi - lo)
+                else:
+                    out = None  # CPU: copied into the model from the master
+                self._cpu_update(c, states[:, lo:hi], lo, hi, out, hyper, coef)
+                if slot is not None:
+                    events.append(self._upload_staging(c, slot, lo, hi, after_backward))
+                elif out is None:
+                    for p, a, b, sa, sb in self._param_ranges(c, lo, hi):
+                        p.data.view(-1)[a:b].copy_(states[0, sa:sb])
+            if c.tier == "nvme":
+                t2 = time.perf_counter()
+                NVMeTier.write(c.file, states.reshape(-1))
+                self.profile.busy("nvme", time.perf_counter() - t2, c.numel * STATES * 4)
+            self.profile.busy("update_thread", time.perf_counter() - t0)
+        return events
+
+    def _update_streamed(self, gi: int, coef: float, hyper, after_backward) -> list:
+        """Device-update thread: the host chunks of one sub-group that the device updates, a slice at a
+        time through two device buffers: fp32 states and gradient up (H2D stream), fused AdamW there,
+        the new weights straight into the model, the states back down (D2H stream). Returns the events
+        the next forward waits on (weights written); the states' return is waited on by their next
+        upload, and by wait_all."""
+        events = []
+        cuda, h2d, d2h = self.streams.cuda, self.streams.h2d, self.streams.d2h
+        on_h2d = (lambda: torch.cuda.stream(h2d)) if cuda else contextlib.nullcontext
+        for c in self.chunks_of[gi]:
+            if not c.device_update:
+                continue
+            t0 = time.perf_counter()
+            with on_h2d():
+                c.step += 1
+                if cuda:
+                    h2d.wait_event(after_backward)  # the gradients are in, backward read the old weights
+                    if c.states_home is not None:
+                        h2d.wait_event(c.states_home)  # the previous update's states are home
+            for lo, hi in slices(c.numel, DEVICE_UPDATE_SLICE):
+                i = self._update_slot = 1 - self._update_slot
+                if self._update_free[i] is not None:
+                    self._update_free[i].synchronize()  # the buffer's last states have left it
+                buf, grad_in = self._update_bufs[i]
+                states, grad, grad_in = buf[:STATES, :hi - lo], buf[STATES, :hi - lo], grad_in[:hi - lo]
+                t1 = self.profile.start("device_update", h2d)
+                with on_h2d():
+                    for k in range(STATES):  # row by row: each row slice is contiguous (async copies)
+                        states[k].copy_(c.states[k, lo:hi], non_blocking=True)
+                    grad_in.copy_(c.grad[lo:hi], non_blocking=True)
+                    grad.copy_(grad_in)
+                    self._adamw(c, states, grad, hyper, coef)
+                    for p, a, b, sa, sb in self._param_ranges(c, lo, hi):
+                        p.data.view(-1)[a:b].copy_(states[0, sa - lo:sb - lo])
+                    updated = h2d.record_event() if cuda else None
+                self.profile.stop("device_update", t1, h2d)
+                self.profile.add_bytes("device_update", (hi - lo) * (2 * STATES * 4 + grad_in.element_size()))
+                if not cuda:
+                    c.states[:, lo:hi].copy_(states)
+                    continue
+                with torch.cuda.stream(d2h):
+                    d2h.wait_event(updated)
+                    for k in range(STATES):
+                        c.states[k, lo:hi].copy_(states[k], non_blocking=True)
+                    c.states_home = self._update_free[i] = d2h.record_event()
+                events.append(updated)
+            self.profile.busy("device_update_thread", time.perf_counter() - t0)
+        return events
+
+    def _nvme_states(self, c: Chunk) -> torch.Tensor:
+        """Reads this NVMe chunk (prefetched while the previous one was updated) and starts the next read."""
+        order = [x for x in self.chunks if x.tier == "nvme"]
+        i = next(k for k, x in enumerate(order) if x is c)
+        slot = i % 2
+        if i == 0:
+            self._nvme_next = self._prefetcher.submit(self._timed_read, order[0], 0)
+        states = self._nvme_next.result()
+        if i + 1 < len(order):
+            self._nvme_next = self._prefetcher.submit(self._timed_read, order[i + 1], 1 - slot)
+        return states
+
+    def _timed_read(self, c: Chunk, slot: int) -> torch.Tensor:
+        t0 = time.perf_counter()
+        out = NVMeTier.read(c.file, self.nvme.staging(slot, STATES * c.numel)).view(STATES, c.numel)
+        self.profile.busy("nvme", time.perf_counter() - t0, c.numel * STATES * 4)
+        return out
+
+    def _cpu_update(self, c: Chunk, states: torch.Tensor, lo: int, hi: int, out, hyper, coef: float) -> None:
+        """AdamW of a host or NVMe chunk's slice [lo, hi), the new weights into out (model dtype; may be
+        the gradient buffer itself) unless it is None."""
+        t0 = time.perf_counter()
+        if self.cpu_adam is not None:  # one pass: model-dtype gradient in, model-dtype weights out
+            self._native_adamw(c, states, c.grad[lo:hi], hyper, coef, out)
+            self.profile.busy("cpu_optimizer", time.perf_counter() - t0)
+            return
+        grad = self.scratch["host"][:hi - lo]
+        grad.copy_(c.grad[lo:hi])  # before an offloaded layer's new weights overwrite the buffer
+        t1 = time.perf_counter()
+        self._adamw(c, states, grad, hyper, coef)
+        t2 = time.perf_counter()
+        if out is not None:
+            out.copy_(states[0])
+        self.profile.busy("cpu_copy", (t1 - t0) + (time.perf_counter() - t2))
+        self.profile.busy("cpu_optimizer", t2 - t1)
+
+    def _staging(self, n: int) -> Tuple[int, torch.Tensor]:
+        """The next pinned upload buffer, once its previous upload has left it."""
+        slot = self._slot = 1 - self._slot
+        if self._upload_done[slot] is not None:
+            self._upload_done[slot].synchronize()
+        return slot, self._upload[slot][:n]
+
+    def _upload_staging(self, c: Chunk, slot: int, lo: int, hi: int, after_backward):
+        """Updated weights [lo, hi) of a chunk, in staging buffer slot, into the model on the upload
+        stream; returns the event to wait on."""
+        staging = self._upload[slot][:hi - lo]
+        upload = self.streams.upload
+        t0 = self.profile.start("h2d", upload)
+        with torch.cuda.stream(upload):
+            upload.wait_event(after_backward)  # backward has finished reading the old weights
+            for p, a, b, sa, sb in self._param_ranges(c, lo, hi):
+                p.data.view(-1)[a:b].copy_(staging[sa - lo:sb - lo], non_blocking=True)
+            done = upload.record_event()
+        self.profile.stop("h2d", t0, upload)
+        self.profile.add_bytes("h2d", (hi - lo) * staging.element_size())
+        self._upload_done[slot] = done
+        return done
+
+    @staticmethod
+    def _param_ranges(c: Chunk, lo: int, hi: int):
+        """(param, start, end in the param, start, end in the chunk) for the params overlapping [lo, hi)."""
+        for p, off, shape in zip(c.params, c.offsets, c.shapes):
+            a, b = max(lo, off), min(hi, off + shape.numel())
+            if a < b:
+                yield p, a - off, b - off, a, b
+
+    def complete(self, gi: int) -> None:
+        """Makes sub-group gi's updated weights usable on the current stream (the forward pre-hook)."""
+        futures = self._pending.pop(gi, None)
+        if futures:
+            t0 = time.perf_counter()
+            events = [e for fut in futures for e in fut.result()]
+            self.profile.exposed("wait_update", time.perf_counter() - t0)
+            for e in events:
+                torch.cuda.current_stream(self.device).wait_event(e)
+        if gi in self._needs_gather:
+            self._needs_gather.discard(gi)
+            self.weights.all_gather(gi)
+
+    def wait_all(self) -> None:
+        """Every pending update applied (before a checkpoint, an evaluation or the end)."""
+        for gi in sorted(set(self._pending) | self._needs_gather):
+            self.complete(gi)
+        for c in self.chunks:  # the states the device updated are back in host memory
+            if c.states_home is not None:
+                c.states_home.synchronize()
+                c.states_home = None
+
+    def shutdown(self) -> None:
+        """The threads end (after wait_all: nothing is in flight)."""
+        self._worker.shutdown()
+        self._device_worker.shutdown()
+        if self._prefetcher:
+            self._prefetcher.shutdown()
