@@ -231,7 +231,8 @@ class Trainer:
                 PHASE["now"] = f"iteration {self.iteration}: checkpoint save"
                 self.save()
                 window_start, window_iters = time.perf_counter(), 0
-            profiling.end(self.iteration)
+            if profiling.end(self.iteration):  # writing a trace or snapshot is not an iteration's time
+                window_start, window_iters = time.perf_counter(), 0
         profiling.close()
         self.writer.close()
         self.optimizer.close()

@@ -198,14 +198,19 @@ class Profiling:
         self.step.__enter__()
         self.profiled.append(iteration)
 
-    def end(self, iteration: int) -> None:
+    def end(self, iteration: int) -> bool:
+        """After iteration N; True when a trace or snapshot was written (time the step timer should skip)."""
+        wrote = False
         if self.step is not None:
             self.step.__exit__(None, None, None)
             self.step = None
             if iteration >= self.window[1]:
                 self._stop_profile()
+                wrote = True
         if self.snapshot and iteration >= self.snapshot_after:
             self._dump_snapshot()
+            wrote = True
+        return wrote
 
     def close(self) -> None:
         if self.step is not None:
