@@ -153,6 +153,11 @@ class ParallelConfig:
     distributed_timeout_minutes: float = 10.0
     """Minutes a collective waits for the other ranks before this rank gives up, names itself, the
     collective's phase of training and the backend's report, and exits (a hung or lost rank)."""
+    sequence_parallel: bool = False
+    """Sequence parallelism (Megatron's): the layers' inputs, norms and dropout are split along the
+    sequence across the tensor-parallel ranks (activations outside attention and the MLP 1/TP each);
+    needs tensor_model_parallel_size to divide model.seq_length. With TP 1 it is turned off, with a
+    one-line notice."""
 
     def __post_init__(self):
         _positive("parallel", tensor_model_parallel_size=self.tensor_model_parallel_size,
@@ -460,6 +465,9 @@ class Config:
         _require(self.model.ffn_hidden_size % tp == 0,
                  f"parallel.tensor_model_parallel_size ({tp}) must divide model.ffn_hidden_size "
                  f"({self.model.ffn_hidden_size})")
+        _require(not self.parallel.sequence_parallel or self.model.seq_length % tp == 0,
+                 f"parallel.sequence_parallel splits the sequence over tensor_model_parallel_size ({tp}), which "
+                 f"must divide model.seq_length ({self.model.seq_length})")
         pp = self.parallel.pipeline_model_parallel_size
         _require(self.model.num_layers % pp == 0,
                  f"parallel.pipeline_model_parallel_size ({pp}) must divide model.num_layers "
@@ -498,6 +506,10 @@ class Config:
                      "allocate on CUDA)")
             _require(self.optim.optimizer != "megatron_cpu_offload",
                      "optim.optimizer 'megatron_cpu_offload' needs CUDA (Megatron's HybridDeviceOptimizer)")
+            _require(not (self.parallel.sequence_parallel and self.parallel.tensor_model_parallel_size > 1
+                          and self.parallel.pipeline_model_parallel_size > 1),
+                     "parallel.sequence_parallel with pipeline_model_parallel_size > 1 needs CUDA (on CPU the "
+                     "pipeline schedule's backward pass would allocate Megatron's sequence gathers on CUDA)")
             _require(self.model.recompute != "full",
                      "model.recompute 'full' needs CUDA (Megatron's activation checkpointing saves the CUDA RNG "
                      "state); use 'none' on CPU")

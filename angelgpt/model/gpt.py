@@ -50,6 +50,7 @@ def transformer_config(cfg: Config, on_gpu: bool, perform_initialization: bool =
         attention_dropout=m.attention_dropout,
         init_method_std=m.init_method_std,
         tensor_model_parallel_size=cfg.parallel.tensor_model_parallel_size,
+        sequence_parallel=sequence_parallel(cfg),
         pipeline_model_parallel_size=cfg.parallel.pipeline_model_parallel_size,
         pipeline_dtype=torch.bfloat16 if on_gpu else torch.float32,
         params_dtype=torch.bfloat16 if on_gpu else torch.float32,
@@ -71,6 +72,36 @@ def transformer_config(cfg: Config, on_gpu: bool, perform_initialization: bool =
     )
 
 
+def sequence_parallel(cfg: Config) -> bool:
+    """parallel.sequence_parallel as the model is built: only with TP > 1 (resolve_config turns it off at
+    TP 1, with a notice)."""
+    return cfg.parallel.sequence_parallel and cfg.parallel.tensor_model_parallel_size > 1
+
+
+def _sequence_parallel_block(cfg: Config, on_gpu: bool, layer: ModuleSpec) -> ModuleSpec:
+    """The local layer spec inside a block spec whose norms run on the local slice of the sequence, the
+    layers' two and the final one: angelgpt's SequenceParallelNorm (Megatron's local norm refuses
+    sequence_parallel, and TransformerBlock builds its final norm from Megatron's own choice unless a
+    block spec names one). On CPU the embedding's dropout under sequence parallelism forks Megatron's
+    CUDA RNG tracker: there it is a tracker whose fork changes nothing (the dropout draws from the CPU
+    generator, as every other dropout on CPU does)."""
+    from megatron.core import tensor_parallel
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlock,
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+
+    from angelgpt.model.norm import SequenceParallelNorm
+
+    layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = SequenceParallelNorm
+    if not on_gpu:
+        tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    layers = get_num_layers_to_build(transformer_config(cfg, on_gpu))
+    return ModuleSpec(module=TransformerBlock, submodules=TransformerBlockSubmodules(
+        layer_specs=[layer] * layers, layer_norm=SequenceParallelNorm))
+
+
 def layer_spec(cfg: Config, on_gpu: bool) -> ModuleSpec:
     from megatron.core.models.gpt import gpt_layer_specs
 
@@ -80,6 +111,8 @@ def layer_spec(cfg: Config, on_gpu: bool) -> ModuleSpec:
 
     spec = gpt_layer_specs.get_gpt_layer_local_spec()
     spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    if sequence_parallel(cfg):
+        spec = _sequence_parallel_block(cfg, on_gpu, spec)
     return spec
 
 

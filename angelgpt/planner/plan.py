@@ -65,20 +65,23 @@ def host_update_rates(hw: Machine, gpus_per_node: int, cpu_adam: str = "auto"):
 
 
 def activation_bytes(cfg: Config, recompute: Optional[bool] = None) -> int:
-    """Peak activation memory of one pipeline stage for one micro batch (bf16, no sequence parallel):
-    as configured, or with every layer recomputed (True) or none (False)."""
+    """Peak activation memory of one pipeline stage for one micro batch (bf16): as configured, or with
+    every layer recomputed (True) or none (False)."""
     m, tp = cfg.model, cfg.parallel.tensor_model_parallel_size
     s, b, h = m.seq_length, cfg.train.micro_batch_size, m.hidden_size
     layers = m.num_layers // cfg.parallel.pipeline_model_parallel_size
-    # unsharded 10*sbh (norm and block inputs, dropout masks), attention's Q, K, V and output 8*sbh/tp
-    # (flash attention: no s*s), the MLP's two ffn-wide tensors: 34*sbh at tp 1 with ffn 4h (measured on
-    # the H200 without recompute: 33.5*sbh a layer, 7 layers of the 55 shape from micro batch 1 to 2)
-    full_layer = s * b * h * (10 * tp + 8) // tp + s * b * m.ffn_hidden_size * 4 // tp
+    # 10*sbh (norm and block inputs, dropout masks), unsharded unless sequence parallelism splits it over
+    # TP too, attention's Q, K, V and output 8*sbh/tp (flash attention: no s*s), the MLP's two ffn-wide
+    # tensors: 34*sbh at tp 1 with ffn 4h (measured on the H200 without recompute: 33.5*sbh a layer, 7
+    # layers of the 55 shape from micro batch 1 to 2); 10*sbh + 24*sbh/tp, or 34*sbh/tp with sequence
+    # parallelism (Korthikanti et al. 2022)
+    sp = tp if cfg.parallel.sequence_parallel else 1
+    full_layer = s * b * h * (10 * tp // sp + 8) // tp + s * b * m.ffn_hidden_size * 4 // tp
     recomputed = recomputed_layers(cfg) // cfg.parallel.pipeline_model_parallel_size if recompute is None \
         else (layers if recompute else 0)
     # the first `recomputed` layers keep their inputs; the rest keep everything, and are done with in
     # backward before the first recomputed layer's full set comes back
-    stored = recomputed * 2 * s * b * h + max(layers - recomputed, 1 if recomputed else 0) * full_layer
+    stored = recomputed * 2 * s * b * h // sp + max(layers - recomputed, 1 if recomputed else 0) * full_layer
     logits = s * b * cfg.padded_vocab_size() // tp * (MODEL_BYTES + 4 + 4)  # bf16 logits, fp32 copy and grad
     return stored + logits
 

@@ -54,6 +54,8 @@ def resolve_config(cfg: Config, machine: Machine, gpus_per_node: int, nodes: int
       accumulate_in_store as that plan placed them, device_update_fraction the split of the host update
       by the rates of its two paths (plan.device_update_fraction).
     On CPU: model.recompute 'none' (full recompute needs CUDA).
+    parallel.sequence_parallel (not an 'auto', but settled here too): off with TP 1, where there is no
+      group to split the sequence over; resolved_line says so.
     zero_cache's settings that are still 'auto' (on CPU, or with another optimizer, which ignores them):
       rate 1.0 (every state on the device), offload_params on only with every layer recomputed,
       device_update_fraction 0.0, accumulate_in_store off.
@@ -69,6 +71,8 @@ def resolve_config(cfg: Config, machine: Machine, gpus_per_node: int, nodes: int
     cfg = replace(cfg, train=replace(cfg.train, device=device),
                   model=replace(cfg.model, transformer_impl=_transformer_impl(cfg.model.transformer_impl)),
                   zero_cache=replace(zc, cpu_adam=cpu_adam))
+    if cfg.parallel.sequence_parallel and cfg.parallel.tensor_model_parallel_size == 1:
+        cfg = replace(cfg, parallel=replace(cfg.parallel, sequence_parallel=False))
     m, zc = cfg.model, cfg.zero_cache
     if on_gpu:
         chosen = plan_for(cfg, machine, gpus_per_node, nodes)
@@ -106,7 +110,8 @@ def _text(value) -> str:
 
 def resolved_line(before: Config, after: Config) -> str:
     """'resolved: section.key=value, ...' for each setting that was 'auto' in `before` (with
-    model.recompute, the recompute_num_layers chosen with it), in the config's order; '' when none was."""
+    model.recompute, the recompute_num_layers chosen with it), in the config's order, then
+    parallel.sequence_parallel when it was turned off (TP 1); '' when none was."""
     parts: List[str] = []
     for section in fields(before):
         b, a = getattr(before, section.name), getattr(after, section.name)
@@ -119,4 +124,7 @@ def resolved_line(before: Config, after: Config) -> str:
             if (section.name, f.name) == ("model", "recompute") and (
                     a.recompute_num_layers is not None or b.recompute_num_layers is not None):
                 parts.append(f"model.recompute_num_layers={_text(a.recompute_num_layers)}")
+    if before.parallel.sequence_parallel and not after.parallel.sequence_parallel:
+        parts.append("parallel.sequence_parallel=false (tensor_model_parallel_size 1: no group to split the "
+                     "sequence over)")
     return "resolved: " + ", ".join(parts) if parts else ""

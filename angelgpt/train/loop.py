@@ -73,14 +73,23 @@ def forward_step(data_iterator, model):
 
 def forward_backward_cpu(forward_step_func, data_iterator, model, num_microbatches: int,
                          forward_only: bool = False, **_) -> List[Dict[str, torch.Tensor]]:
-    """Megatron's no-pipelining schedule for CPU (Megatron's own allocates on CUDA)."""
+    """Megatron's no-pipelining schedule for CPU (Megatron's own allocates on CUDA). Under sequence
+    parallelism Megatron's gathers and reduce-scatters along the sequence allocate on CUDA too: forward
+    and backward then run inside parallel.sequence.cpu_sequence_parallel, which keeps them on the CPU."""
+    from contextlib import nullcontext
+
+    from megatron.core.utils import get_model_config
+
+    from angelgpt.parallel.sequence import cpu_sequence_parallel
+
     reduced = []
-    for _ in range(num_microbatches):
-        output, finish = forward_step_func(data_iterator, model)
-        loss, stats = finish(output)
-        if not forward_only:
-            (loss / num_microbatches).backward()
-        reduced.append(stats)
+    with cpu_sequence_parallel() if get_model_config(model).sequence_parallel else nullcontext():
+        for _ in range(num_microbatches):
+            output, finish = forward_step_func(data_iterator, model)
+            loss, stats = finish(output)
+            if not forward_only:
+                (loss / num_microbatches).backward()
+            reduced.append(stats)
     return reduced
 
 

@@ -1,9 +1,10 @@
 """Optimizers and the LR schedule.
 
 ``optimizer: megatron`` on GPU is Megatron's DistributedDataParallel + distributed optimizer.
-Those allocate on CUDA, so on CPU the same math runs in ``CPUDataParallelAdamW``: gradients
-averaged over data-parallel ranks, the global norm over all model-parallel ranks (TP duplicates
-counted once) clipped, then AdamW on fp32 weights. A non-finite norm skips the step.
+Those allocate on CUDA, so on CPU the same math runs in ``CPUDataParallelAdamW``: the gradients of
+parameters marked ``sequence_parallel`` summed over TP (as Megatron's finalize_model_grads does),
+gradients averaged over data-parallel ranks, the global norm over all model-parallel ranks (TP
+duplicates counted once) clipped, then AdamW on fp32 weights. A non-finite norm skips the step.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from angelgpt.config import Config
 from angelgpt.optimizer import Optimizer, clip_coefficient, no_weight_decay
+from angelgpt.parallel.sequence import allreduce_sequence_parallel_grads
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> List[dict]:
@@ -82,6 +84,7 @@ class CPUDataParallelAdamW(Optimizer):
 
     @torch.no_grad()
     def step(self) -> Tuple[bool, float, Optional[int]]:
+        allreduce_sequence_parallel_grads(self.params)  # sequence parallelism's norms: summed over TP
         self._average_grads_over_dp()
         norm = global_grad_norm(self.params).item()
         if not math.isfinite(norm):

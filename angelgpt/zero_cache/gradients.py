@@ -87,6 +87,7 @@ class Gradients:
         if first:
             self.update.complete(gi)  # never overwrite a chunk's gradient before its last update read it
         group = self.sub_groups[gi]
+        self._sum_sequence_parallel(group)
         if self.dp_size == 1:
             self._to_owner(gi, [(p, p.grad if p.grad is not None else
                                  torch.zeros(self.shape[id(p)], dtype=self.model_dtype, device=self.device))
@@ -114,6 +115,26 @@ class Gradients:
         self._in_flight.append((gi, work, mine, t0, first, last))
         while len(self._in_flight) > self.max_reduce_events:
             self._finish_reduce()
+
+    def _sum_sequence_parallel(self, group) -> None:
+        """Sequence parallelism: the gradients of the sub-group's parameters marked ``sequence_parallel``
+        (the norms, each TP rank's from its own slice of the sequence) summed over TP before they go to
+        their owner (in fp32), as Megatron's finalize_model_grads does (angelgpt.parallel.sequence); summed,
+        they are TP duplicates, counted once in the norm (param_is_not_tensor_parallel_duplicate: TP rank
+        0). Every TP rank offloads its sub-groups in the same order. A parameter without a gradient (one
+        no rank's backward reached) adds zeros."""
+        marked = [p for p in group if getattr(p, "sequence_parallel", False)]
+        tp = parallel_state.get_tensor_model_parallel_group()
+        if not marked or tp.size() == 1:
+            return
+        grads = [p.grad if p.grad is not None else
+                 torch.zeros(self.shape[id(p)], dtype=self.model_dtype, device=self.device) for p in marked]
+        flat = torch.cat([g.reshape(-1).float() for g in grads])
+        dist.all_reduce(flat, group=tp)
+        off = 0
+        for g in grads:
+            g.copy_(flat[off:off + g.numel()].view_as(g))
+            off += g.numel()
 
     def _finish_reduce(self) -> None:
         gi, work, mine, t0, first, last = self._in_flight.popleft()
