@@ -277,6 +277,68 @@ def _launch(cfg, size, config, extra, on_gpu: bool, dp: int, dry_run: bool, forc
         raise SystemExit(1)
 
 
+@app.command("export")
+def export_command(
+    load: str = typer.Option(..., "--load", help="checkpoint directory (--save of a run) or one iter_N directory"),
+    output: str = typer.Option(..., "--output", help="transformers model directory to write"),
+    iteration: Optional[int] = typer.Option(None, "--iteration", help="checkpoint iteration (default: latest)"),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="bf16 or fp32 (default: as stored)"),
+    max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="larger models are sharded, e.g. 2GB"),
+    tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="tokenizer directory (default: the run's)"),
+    trim_vocab: bool = typer.Option(False, "--trim-vocab", help="vocab_size = model.vocab_size, not the padded one"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing --output"),
+) -> None:
+    """A checkpoint as a Hugging Face transformers GPT-2 directory (safetensors, config, tokenizer)."""
+    from angelgpt.export import quiet
+    from angelgpt.export.export import export
+
+    with quiet():
+        s = export(load, output, iteration, dtype, max_shard_size, tokenizer, trim_vocab, overwrite)
+    shards = [f for f in s["files"] if f.endswith(".safetensors")]
+    weights = shards[0] if len(shards) == 1 else f"{len(shards)} safetensors shards and their index"
+    print(f"wrote {s['output']}: GPT2LMHeadModel, {s['parameters']:,} parameters ({s['dtype']}) from iteration "
+          f"{s['iteration']}, {weights}" + (", tokenizer" if s["tokenizer"] else ""))
+
+
+@app.command("generate")
+def generate_command(
+    load: str = typer.Option(..., "--load", help="checkpoint directory or exported transformers directory"),
+    prompt: str = typer.Option(..., "--prompt", help="text (token ids separated by spaces for mock-data runs)"),
+    max_new_tokens: int = typer.Option(50, "--max-new-tokens"),
+    temperature: float = typer.Option(1.0, "--temperature", help="0: greedy"),
+    top_k: Optional[int] = typer.Option(None, "--top-k", help="sample among the k likeliest (default: all)"),
+    seed: int = typer.Option(1234, "--seed"),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
+    iteration: Optional[int] = typer.Option(None, "--iteration", help="checkpoint iteration (default: latest)"),
+    as_json: bool = typer.Option(False, "--json", help='print {"prompt_ids", "new_ids", "text"}'),
+) -> None:
+    """Continue a prompt with a checkpoint (angelgpt's GPT, one process) or an exported model."""
+    from angelgpt.export import quiet
+    from angelgpt.export.generate import generate, render
+
+    with quiet():
+        result = generate(load, prompt, max_new_tokens, temperature, top_k, seed, device, iteration)
+    print(render(result, as_json))
+
+
+@app.command("eval")
+def eval_command(
+    overrides: Optional[List[str]] = typer.Argument(None, help="KEY=VALUE over the run's config, e.g. data.paths=..."),
+    load: str = typer.Option(..., "--load", help="checkpoint directory"),
+    iteration: Optional[int] = typer.Option(None, "--iteration", help="checkpoint iteration (default: latest)"),
+    iters: Optional[int] = typer.Option(None, "--iters", help="global batches (default: the run's train.eval_iters)"),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON"),
+) -> None:
+    """Validation loss and perplexity of a checkpoint, without training (one process, any layout)."""
+    from angelgpt.export import quiet
+    from angelgpt.export.evaluate import evaluate, render
+
+    with quiet():
+        result = evaluate(load, list(overrides or []), iters, iteration, device)
+    print(render(result, as_json))
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     """Entry point: one-line errors, exit 2 on bad input, never a traceback for it."""
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
