@@ -28,6 +28,7 @@ from megatron.core import parallel_state
 
 from angelgpt.config import Config, ConfigError
 from angelgpt.optimizer import no_weight_decay
+from angelgpt.parallel.log import EVERY_RANK, get_logger
 from angelgpt.zero_cache.cpu_adam import CpuAdam, CpuAdamUnavailable
 from angelgpt.zero_cache.pipeline import Profile, Streams
 from angelgpt.zero_cache.placement import (ACCUMULATION_SLOTS, DEVICE_UPDATE_SLICE, GPU_HEADROOM, SLICE, STATES,
@@ -36,6 +37,7 @@ from angelgpt.zero_cache.placement import (ACCUMULATION_SLOTS, DEVICE_UPDATE_SLI
 from angelgpt.zero_cache.tiers import (GIB, DeviceTier, HostTier, NVMeTier, available_bytes, check_capacity,
                                        check_memlock)
 
+log = get_logger(__name__)
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
@@ -170,8 +172,8 @@ class Store:
         if zc.nvme_path:  # chunk files a killed run left would count against this run's NVMe room
             freed = NVMeTier.reclaim(zc.nvme_path)
             if freed:
-                print(f"zero_cache: removed {freed / GIB:.2f} GiB of NVMe chunks that an ended run left under "
-                      f"{zc.nvme_path}", flush=True)
+                log.info(f"zero_cache: removed {freed / GIB:.2f} GiB of NVMe chunks that an ended run left under "
+                         f"{zc.nvme_path}", extra=EVERY_RANK)
         avail = available_bytes(self.device, zc.host_max_gib, zc.nvme_path, zc.nvme_max_gib)
         numels = [c.numel for c in self.chunks]
         groups = [c.group for c in self.chunks]
