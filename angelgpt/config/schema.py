@@ -149,7 +149,8 @@ class ParallelConfig:
     tensor_model_parallel_size: int = 1
     """Tensor-parallel size (Megatron TP): splits attention heads and the MLP across ranks."""
     pipeline_model_parallel_size: int = 1
-    """Pipeline-parallel size (Megatron PP): splits layers into stages; 1F1B schedule, CUDA only."""
+    """Pipeline-parallel size (Megatron PP): splits layers into stages; Megatron's 1F1B schedule (on CPU
+    under angelgpt.parallel.cpu_schedules)."""
     distributed_timeout_minutes: float = 10.0
     """Minutes a collective waits for the other ranks before this rank gives up, names itself, the
     collective's phase of training and the backend's report, and exits (a hung or lost rank)."""
@@ -501,9 +502,6 @@ class Config:
     def check_device(self, on_gpu: bool) -> None:
         """Refuses what this build cannot run on the chosen device."""
         if not on_gpu:
-            _require(self.parallel.pipeline_model_parallel_size == 1,
-                     "parallel.pipeline_model_parallel_size > 1 needs CUDA (Megatron's pipeline schedules "
-                     "allocate on CUDA)")
             _require(self.optim.optimizer != "megatron_cpu_offload",
                      "optim.optimizer 'megatron_cpu_offload' needs CUDA (Megatron's HybridDeviceOptimizer)")
             _require(not (self.parallel.sequence_parallel and self.parallel.tensor_model_parallel_size > 1

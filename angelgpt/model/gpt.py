@@ -65,11 +65,28 @@ def transformer_config(cfg: Config, on_gpu: bool, perform_initialization: bool =
         masked_softmax_fusion=False,
         persist_layer_norm=False,
         apply_rope_fusion=False,
+        # on CPU the pipeline's P2P is one gloo isend/irecv per tensor (angelgpt.parallel.cpu_schedules)
+        batch_p2p_comm=on_gpu,
         # every layer: one at a time ('uniform', 1); the first k of each stage: 'block', k
         recompute_granularity="full" if recompute else None,
         recompute_method=("uniform" if m.recompute_num_layers is None else "block") if recompute else None,
         recompute_num_layers=(m.recompute_num_layers or 1) if recompute else None,
     )
+
+
+def _seeded_layer(seed: int):
+    """Megatron's TransformerLayer that, on CPU, seeds the CPU RNG from (seed, global layer number) before
+    drawing its weights: a layer starts the same whatever pipeline stage builds it (the first stage's
+    embeddings draw from the seed the worker set, the last stage's output layer after the last layer)."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer, get_transformer_layer_offset
+
+    class SeededTransformerLayer(TransformerLayer):
+        def __init__(self, config, submodules, layer_number: int = 1, *args, **kwargs):
+            global_number = layer_number + get_transformer_layer_offset(config, kwargs.get("vp_stage"))
+            torch.manual_seed(seed * 1_000_003 + global_number)
+            super().__init__(config, submodules, layer_number, *args, **kwargs)
+
+    return SeededTransformerLayer
 
 
 def sequence_parallel(cfg: Config) -> bool:
@@ -111,14 +128,35 @@ def layer_spec(cfg: Config, on_gpu: bool) -> ModuleSpec:
 
     spec = gpt_layer_specs.get_gpt_layer_local_spec()
     spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    if not on_gpu:
+        spec.module = _seeded_layer(cfg.train.seed)
     if sequence_parallel(cfg):
         spec = _sequence_parallel_block(cfg, on_gpu, spec)
     return spec
 
 
 def build_gpt(cfg: Config, on_gpu: bool, perform_initialization: bool = True) -> GPTModel:
-    """Builds this rank's pipeline stage of the GPT; Megatron parallel_state must be initialised."""
-    model = GPTModel(
+    """Builds this rank's pipeline stage of the GPT; Megatron parallel_state must be initialised.
+
+    On CPU every TP and PP layout starts from the same weights: each TP shard is cut from full weights
+    drawn on one RNG stream, each layer's stream is seeded by its global number, and the last stage's
+    copy of tied embeddings is the first stage's (Megatron's all-reduce, its `.cuda()` kept on the CPU);
+    the CPU RNG is then reseeded alike on every rank."""
+    from contextlib import nullcontext
+
+    from angelgpt.parallel.cpu_schedules import on_cpu
+
+    with nullcontext() if on_gpu else on_cpu():
+        model = _gpt_model(cfg, on_gpu, perform_initialization)
+    if not on_gpu:
+        torch.manual_seed(cfg.train.seed + 1)
+    if on_gpu:
+        model.cuda(torch.cuda.current_device())
+    return model
+
+
+def _gpt_model(cfg: Config, on_gpu: bool, perform_initialization: bool) -> GPTModel:
+    return GPTModel(
         config=transformer_config(cfg, on_gpu, perform_initialization),
         transformer_layer_spec=layer_spec(cfg, on_gpu),
         vocab_size=cfg.padded_vocab_size(),
@@ -128,6 +166,3 @@ def build_gpt(cfg: Config, on_gpu: bool, perform_initialization: bool = True) ->
         share_embeddings_and_output_weights=not cfg.model.untie_embeddings_and_output_weights,
         position_embedding_type=cfg.model.position_embedding_type,
     )
-    if on_gpu:
-        model.cuda(torch.cuda.current_device())
-    return model

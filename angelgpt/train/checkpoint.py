@@ -79,10 +79,16 @@ def _set_rng_state(state: dict) -> None:
         tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker"])
 
 
-def _rng_sharded_object(state) -> ShardedObject:
+def _rng_sharded_object(state, saved_layout: Optional[Tuple[int, int]] = None) -> ShardedObject:
+    """The RNG states, one per (PP rank, TP rank). Loading a checkpoint saved with another (PP, TP)
+    layout (saved_layout), a rank takes the saved state of its own position where the saved layout has
+    it, else of stage 0 / TP rank 0 (on CPU every rank's RNG starts alike after the model is built)."""
     pp, tp = parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank()
     shape = (parallel_state.get_pipeline_model_parallel_world_size(),
              parallel_state.get_tensor_model_parallel_world_size())
+    if saved_layout is not None and tuple(saved_layout) != shape:
+        shape = tuple(saved_layout)
+        pp, tp = (pp if pp < shape[0] else 0), (tp if tp < shape[1] else 0)
     return ShardedObject("rng_state", state, shape, (pp, tp), replica_id=parallel_state.get_data_parallel_rank())
 
 
@@ -104,7 +110,8 @@ def per_layer_keys(sharded):
     return sharded
 
 
-def _state(model, optimizer, scheduler, iteration: int, consumed: int, loading: bool) -> dict:
+def _state(model, optimizer, scheduler, iteration: int, consumed: int, loading: bool,
+           saved_layout: Optional[Tuple[int, int]] = None) -> dict:
     model_sd = model.sharded_state_dict()
     optimizer_sd = optimizer.sharded_state_dict(model_sd, is_loading=loading)
     if optimizer.per_layer_checkpoint_keys:
@@ -115,7 +122,7 @@ def _state(model, optimizer, scheduler, iteration: int, consumed: int, loading: 
         "opt_param_scheduler": scheduler.state_dict(),
         "iteration": iteration,
         "consumed_samples": consumed,
-        "rng_state": _rng_sharded_object(None if loading else _rng_state()),
+        "rng_state": _rng_sharded_object(None if loading else _rng_state(), saved_layout),
     }
 
 
@@ -202,6 +209,16 @@ def save(root: str, iteration: int, consumed: int, model, optimizer, scheduler, 
     return final
 
 
+def _saved_layout(path: Path) -> Optional[Tuple[int, int]]:
+    """(PP, TP) of the run that saved the checkpoint, from its manifest's config (None if unreadable).
+    Megatron reshards the model's and the optimizer's ShardedTensors to this run's layout."""
+    try:
+        par = json.loads((path / MANIFEST).read_text())["config"]["parallel"]
+        return int(par["pipeline_model_parallel_size"]), int(par["tensor_model_parallel_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def latest_iteration(root: str) -> Optional[int]:
     tracker = Path(root) / TRACKER
     if not tracker.is_file():
@@ -220,12 +237,24 @@ def load(root: str, model, optimizer, scheduler) -> Tuple[int, int]:
     path = _iter_dir(Path(root), iteration)
     if not path.is_dir():
         raise ConfigError(f"checkpoint.load: {TRACKER} names iteration {iteration} but {path} is missing")
-    problem = [verify(path) if dist.get_rank() == 0 else None]
+    problem = [verify(path), _saved_layout(path)] if dist.get_rank() == 0 else [None, None]
     dist.broadcast_object_list(problem, src=0)
     if problem[0]:
         raise ConfigError(f"checkpoint.load: {problem[0]}")
+    saved_layout = problem[1]
+    here = (parallel_state.get_pipeline_model_parallel_world_size(),
+            parallel_state.get_tensor_model_parallel_world_size())
+    resharding = saved_layout is not None and tuple(saved_layout) != here
     with optimizer.materialized():
-        state = dist_checkpointing.load(_state(model, optimizer, scheduler, 0, 0, loading=True), str(path))
+        request = _state(model, optimizer, scheduler, 0, 0, loading=True, saved_layout=saved_layout)
+        # another (PP, TP) layout: ranks read RNG objects some of which none of them covers, which the
+        # integrity check refuses; the RNG states come in a request of their own, unchecked
+        rng_request = {"rng_state": request.pop("rng_state")} if resharding else None
+        state = dist_checkpointing.load(request, str(path))
+        if rng_request:
+            # (the answer holds the checkpoint's common state too: only the RNG is taken)
+            state["rng_state"] = dist_checkpointing.load(rng_request, str(path),
+                                                         validate_access_integrity=False)["rng_state"]
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["opt_param_scheduler"])

@@ -114,10 +114,15 @@ class Trainer:
         self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
         self.dp = parallel_state.get_data_parallel_world_size()
         self.num_microbatches = cfg.num_microbatches(self.dp)
+        self.pipelined = parallel_state.get_pipeline_model_parallel_world_size() > 1
         if on_gpu:
             from megatron.core.pipeline_parallel import get_forward_backward_func
 
             self.forward_backward = get_forward_backward_func()
+        elif self.pipelined:  # Megatron's 1F1B with its CUDA allocations kept on the CPU
+            from angelgpt.parallel import cpu_schedules
+
+            self.forward_backward = cpu_schedules.forward_backward_func()
         else:
             self.forward_backward = forward_backward_cpu
         owns_log = (parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
@@ -130,7 +135,8 @@ class Trainer:
 
     def _run(self, iterator, forward_only: bool):
         return self.forward_backward(
-            forward_step_func=forward_step, data_iterator=iterator, model=[self.model] if self.on_gpu else self.model,
+            forward_step_func=forward_step, data_iterator=iterator,
+            model=[self.model] if self.on_gpu or self.pipelined else self.model,
             num_microbatches=self.num_microbatches, seq_length=self.cfg.model.seq_length,
             micro_batch_size=self.cfg.train.micro_batch_size, forward_only=forward_only,
         )

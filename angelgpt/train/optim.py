@@ -19,6 +19,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from angelgpt.config import Config
 from angelgpt.optimizer import Optimizer, clip_coefficient, no_weight_decay
+from angelgpt.parallel.embedding import sync_tied_embedding_grads
 from angelgpt.parallel.sequence import allreduce_sequence_parallel_grads
 
 
@@ -34,10 +35,13 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> List[dict]:
 
 
 def global_grad_norm(params: List[torch.nn.Parameter]) -> torch.Tensor:
-    """L2 norm of all gradients of the model (every TP/PP shard), each TP duplicate counted once."""
+    """L2 norm of all gradients of the model (every TP/PP shard), each TP duplicate counted once and the
+    last stage's copy of tied embeddings not at all (Megatron's param_is_not_shared)."""
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+    from megatron.core.transformer.module import param_is_not_shared
 
-    grads = [p.grad for p in params if p.grad is not None and param_is_not_tensor_parallel_duplicate(p)]
+    grads = [p.grad for p in params
+             if p.grad is not None and param_is_not_tensor_parallel_duplicate(p) and param_is_not_shared(p)]
     sq = torch.zeros((), dtype=torch.float32, device=params[0].device)
     for g in grads:
         sq += g.detach().float().pow(2).sum()
@@ -47,8 +51,8 @@ def global_grad_norm(params: List[torch.nn.Parameter]) -> torch.Tensor:
 
 
 class CPUDataParallelAdamW(Optimizer):
-    """Megatron's distributed optimizer's math on CPU: DP-averaged gradients, global-norm clipping,
-    torch's AdamW on fp32 weights."""
+    """Megatron's distributed optimizer's math on CPU: tied embedding gradients summed over the first and
+    last pipeline stage, DP-averaged gradients, global-norm clipping, torch's AdamW on fp32 weights."""
 
     def __init__(self, model: torch.nn.Module, cfg: Config):
         o = cfg.optim
@@ -84,6 +88,7 @@ class CPUDataParallelAdamW(Optimizer):
 
     @torch.no_grad()
     def step(self) -> Tuple[bool, float, Optional[int]]:
+        sync_tied_embedding_grads(self.model)  # PP > 1: first and last stage's copies apply one update
         allreduce_sequence_parallel_grads(self.params)  # sequence parallelism's norms: summed over TP
         self._average_grads_over_dp()
         norm = global_grad_norm(self.params).item()

@@ -24,8 +24,6 @@ CASES = {
     "bad device": (["train", "--size", "tiny", "--device", "gpu"], "--device must be 'cpu' or 'cuda'"),
     "missing data": (["train", "--size", "tiny", "--device", "cpu", "data.paths=/nonexistent/ds"],
                      "/nonexistent/ds.bin not found"),
-    "pipeline on cpu": (["train", "--size", "tiny", "--device", "cpu", "--nproc-per-node", "2",
-                         "parallel.pipeline_model_parallel_size=2"], "needs CUDA"),
 }
 
 
