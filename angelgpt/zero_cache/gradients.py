@@ -22,8 +22,17 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from angelgpt.parallel.embedding import allreduce_tied_embedding_grad
 from angelgpt.zero_cache.placement import ACCUMULATION_SLOTS
 from angelgpt.zero_cache.store import Store
+
+
+def _in_norm(p) -> bool:
+    """Counted in the global norm: not a TP duplicate, not the last stage's copy of tied embeddings."""
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+    from megatron.core.transformer.module import param_is_not_shared
+
+    return param_is_not_tensor_parallel_duplicate(p) and param_is_not_shared(p)
 
 
 class Gradients:
@@ -42,6 +51,15 @@ class Gradients:
         self._acc_slots, self._update_free = store.acc_slots, store.update_free
         self._acc_free, self._acc_slot = [None] * ACCUMULATION_SLOTS, 0
         self.handles = []
+        self.tied, self.deferred = None, set()
+
+    def defer_tied_embedding(self, weight) -> None:
+        """PP > 1 with tied embeddings: this stage's copy (the first stage's embedding, the last stage's
+        output weight; angelgpt.parallel.embedding) has the other stage's gradient added before its
+        sub-group goes to the owner, in flush: an all-reduce in a backward hook would wait for the other
+        stage, which under 1F1B waits for this one."""
+        self.tied = weight
+        self.deferred = set() if weight is None else {self.group_of[id(weight)]}
 
     def install_hooks(self, named) -> None:
         """A post-accumulate hook on every parameter (on_grad)."""
@@ -68,7 +86,7 @@ class Gradients:
         if self._seen[gi] == len(self.sub_groups[gi]):  # this micro batch is done with the sub-group
             self._seen[gi] = 0
             self._completed[gi] += 1
-            if self.accumulate or self._completed[gi] == self.num_microbatches:
+            if gi not in self.deferred and (self.accumulate or self._completed[gi] == self.num_microbatches):
                 self._offload(gi)
             if self.partitioned[gi]:
                 self.weights.release(gi)
@@ -151,12 +169,10 @@ class Gradients:
     def _to_owner(self, gi: int, grads, first: bool = True, last: bool = True) -> None:
         """Owned gradients into their chunks, and their squared norm (on the device, no sync). The
         first micro batch copies; later ones (accumulate_in_store) add (_accumulate)."""
-        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
-
         if not first:
             return self._accumulate(gi, grads, last)
         for p, g in grads:
-            if last and param_is_not_tensor_parallel_duplicate(p):
+            if last and _in_norm(p):
                 self._sq += torch.linalg.vector_norm(g, dtype=torch.float32).square()
         # copied here without CUDA streams; a device chunk's copy stays on the compute stream too, so its
         # gradient is free at once rather than held until the D2H stream's queued copies have passed
@@ -185,15 +201,13 @@ class Gradients:
         """A later micro batch's gradients added to their owner's chunks: in place for device chunks; for
         host chunks the running sum goes up to a device slot (H2D stream), gets the gradients added and,
         after the last micro batch, its norm taken there, and goes back down (D2H stream)."""
-        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
-
         host = []
         for p, g in grads:
             c, off = self.slot_of[id(p)]
             view = c.grad[off:off + self._n(p)]
             if c.tier == "device":  # its first micro batch was copied on this stream too
                 view.add_(g.reshape(-1))
-                if last and param_is_not_tensor_parallel_duplicate(p):
+                if last and _in_norm(p):
                     self._sq += torch.linalg.vector_norm(view, dtype=torch.float32).square()
             else:
                 host.append((p, g, view))
@@ -202,7 +216,7 @@ class Gradients:
         i = self._acc_slot = (self._acc_slot + 1) % len(self._acc_slots)
         slot, pieces, off = self._acc_slots[i], [], 0
         for p, g, view in host:
-            pieces.append((g.reshape(-1), view, slot[off:off + g.numel()], param_is_not_tensor_parallel_duplicate(p)))
+            pieces.append((g.reshape(-1), view, slot[off:off + g.numel()], _in_norm(p)))
             off += g.numel()
         if not self.streams.cuda:
             for g, view, s, counted in pieces:
@@ -248,7 +262,12 @@ class Gradients:
             self.slot_of[id(p)][0].grad_ready = done
 
     def flush(self) -> None:
-        """Offloads what no hook offloaded (a parameter without a gradient, a partial last micro batch)."""
+        """Offloads what no hook offloaded (a parameter without a gradient, a partial last micro batch, the
+        tied embedding's sub-group once both stages' gradients are summed)."""
+        if self.tied is not None:  # Megatron's _allreduce_word_embedding_grads
+            if self.tied.grad is None:
+                self.tied.grad = torch.zeros_like(self.tied)
+            allreduce_tied_embedding_grad(self.tied.grad)
         for gi in range(len(self.sub_groups)):
             if not self._offloaded[gi]:
                 self._offload(gi, last=True)

@@ -49,6 +49,7 @@ import torch
 
 from angelgpt.config import Config
 from angelgpt.optimizer import Optimizer
+from angelgpt.parallel.embedding import tied_embedding_weight
 from angelgpt.zero_cache.gradients import Gradients
 from angelgpt.zero_cache.state import CheckpointState
 from angelgpt.zero_cache.store import Store
@@ -90,6 +91,7 @@ class ZeroCacheOptimizer(Optimizer):
         self.weights.update = self.update
         self.checkpoint = CheckpointState(self.store, self.weights, self.update)
         self.gradients.install_hooks(named)
+        self.gradients.defer_tied_embedding(tied_embedding_weight(model))  # PP > 1: summed over both stages
         self.weights.install_hooks(model, named)
         self.gradients.reset_backward_state()
 
