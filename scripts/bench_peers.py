@@ -22,6 +22,7 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -88,10 +89,21 @@ def run(args) -> int:
     return 0 if not failed else 1
 
 
+def newest_runs(files):
+    """(path, result) of the newest run of each case: a case run again writes NAME-runN.json beside
+    NAME.json (scripts/bench_train.py never overwrites), and the report takes the latest by date."""
+    newest = {}
+    for f in files:
+        r = json.loads(f.read_text())
+        case = re.sub(r"-run\d+$", "", f.stem)
+        if case not in newest or r.get("date", "") >= newest[case][1].get("date", ""):
+            newest[case] = (f, r)
+    return sorted(newest.values(), key=lambda fr: fr[0].name)
+
+
 def load_results():
     out = []
-    for f in sorted(RESULTS.glob("peers-*.json")):
-        r = json.loads(f.read_text())
+    for f, r in newest_runs(sorted(RESULTS.glob("peers-*.json"))):
         system, rest = r["name"][len("peers-"):].rsplit("-L", 1)
         layers = int(rest.split("-")[0])
         steps = len(r.get("records", []))
