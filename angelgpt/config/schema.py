@@ -504,10 +504,6 @@ class Config:
         if not on_gpu:
             _require(self.optim.optimizer != "megatron_cpu_offload",
                      "optim.optimizer 'megatron_cpu_offload' needs CUDA (Megatron's HybridDeviceOptimizer)")
-            _require(not (self.parallel.sequence_parallel and self.parallel.tensor_model_parallel_size > 1
-                          and self.parallel.pipeline_model_parallel_size > 1),
-                     "parallel.sequence_parallel with pipeline_model_parallel_size > 1 needs CUDA (on CPU the "
-                     "pipeline schedule's backward pass would allocate Megatron's sequence gathers on CUDA)")
             _require(self.model.recompute != "full",
                      "model.recompute 'full' needs CUDA (Megatron's activation checkpointing saves the CUDA RNG "
                      "state); use 'none' on CPU")

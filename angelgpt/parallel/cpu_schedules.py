@@ -10,7 +10,7 @@ token counter with ``device="cuda"``, the communicator allocates every receive b
   untouched) turns every CUDA device a torch function is given (``device=`` as ``"cuda"``, ``"cuda:N"``,
   ``torch.device("cuda")`` or an index) into the CPU, and ``Tensor.cuda()`` / ``Tensor.to("cuda")`` into
   no move;
-- ``torch.cuda.current_device`` answers 0 and ``torch.cuda.synchronize`` does nothing while it is active
+- ``torch.cuda.current_device`` answers the CPU and ``torch.cuda.synchronize`` does nothing while it is active
   (module attributes, so for the process; both restored on exit; a CPU-only torch would raise instead).
 
 The model's TransformerConfig on CPU says ``batch_p2p_comm=False`` (one isend/irecv per tensor: gloo
@@ -68,7 +68,9 @@ def on_cpu():
     """CUDA allocations, moves and synchronizes of the code run inside become CPU ones (this thread)."""
     with _PATCH_LOCK:
         saved = torch.cuda.current_device, torch.cuda.synchronize
-        torch.cuda.current_device = lambda: 0
+        # the CPU itself, not an index: torch routes a backward pass outside the mode above, and Megatron's
+        # sequence-parallel gathers allocate there with device=torch.cuda.current_device()
+        torch.cuda.current_device = lambda: torch.device("cpu")
         torch.cuda.synchronize = lambda device=None: None
     try:
         with _CudaToCPU():

@@ -34,3 +34,15 @@ def test_tp2_with_sequence_parallel_matches_one_rank(tmp_path, optimizer):
     if optimizer == ["optim.optimizer=megatron"]:
         tp2 = train_tiny(tmp_path, "tp2", steps, *optimizer, "parallel.tensor_model_parallel_size=2", nproc=2)
         _same(tp2, sp, "TP 2 with sequence parallelism against TP 2 without")
+
+
+def test_tp2_pp2_with_sequence_parallel_matches_one_rank(tmp_path):
+    """Megatron's pipeline schedule on CPU (angelgpt.parallel.cpu_schedules) with sequence-parallel
+    layers: the backward pass's sequence gathers stay on the CPU too."""
+    steps = ["train.train_iters=4", "optim.optimizer=zero_cache", "zero_cache.prefetch_cache_sub_group_rate=0.5"]
+    base = train_tiny(tmp_path, "tp1", *steps)
+    both = train_tiny(tmp_path, "tp2-pp2-sp", *steps, *SP, "parallel.pipeline_model_parallel_size=2", nproc=4)
+    assert [r["iteration"] for r in both] == [1, 2, 3, 4]
+    for a, b in zip(base, both):
+        for key in ("lm_loss", "grad_norm"):
+            assert math.isclose(a[key], b[key], rel_tol=1e-5), (a["iteration"], key, a[key], b[key])

@@ -16,12 +16,6 @@ def test_tp_not_dividing_the_sequence_is_one_line():
     check_one_line_error(proc, "tensor_model_parallel_size (2), which must divide model.seq_length (63)")
 
 
-def test_with_pipeline_on_cpu_is_one_line():
-    proc = run_cli("train", "--size", "tiny", "--device", "cpu", "--nproc-per-node", "4", *SP,
-                   "parallel.pipeline_model_parallel_size=2")
-    check_one_line_error(proc, "needs CUDA")
-
-
 def test_tp1_turns_it_off_with_a_notice():
     proc = run_cli("train", "--size", "tiny", "--device", "cpu", "--dry-run", "parallel.sequence_parallel=true")
     assert proc.returncode == 0, proc.stderr
