@@ -13,7 +13,7 @@ def test_cuda_devices_become_the_cpu_inside_only():
     current, synchronize = torch.cuda.current_device, torch.cuda.synchronize
     x = torch.ones(3)
     with on_cpu():
-        assert torch.cuda.current_device() == 0
+        assert torch.cuda.current_device() == torch.device("cpu")
         torch.cuda.synchronize()
         made = [torch.zeros([], dtype=torch.int, device="cuda"),
                 torch.empty((2, 1, 4), device=torch.cuda.current_device(), requires_grad=True),
