@@ -12,10 +12,7 @@ if [ ! -f "$old/.commit" ] || [ ! -f "$new/.commit" ]; then
   echo "bench_ab.sh: each tree names its commit in TREE/.commit" >&2
   exit 2
 fi
-if ls .whl/*.whl > /dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site
-fi
+. "$(dirname "$0")/device_wheels.sh"
 export PYTHONPATH=$new${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 mkdir -p "$outdir"
 (grep MemAvailable /proc/meminfo; nvidia-smi --query-gpu=name,memory.total --format=csv) > "$outdir/machine.txt" 2>&1

@@ -12,10 +12,7 @@ if [ -z "${ANGELGPT_COMMIT:-}" ]; then  # a copied tree's .git may be stale: the
   echo "gpu_bench.sh: set ANGELGPT_COMMIT to the commit of the tree being run (git rev-parse HEAD where it was copied from)" >&2
   exit 2
 fi
-if ls .whl/*.whl > /dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site
-fi
+. "$(dirname "$0")/device_wheels.sh"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 work=$(mktemp -d)
 export ANGELGPT_BENCH_OUT="$work"

@@ -10,6 +10,7 @@ import os
 import runpy
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,3 +54,13 @@ def check_one_line_error(proc, needle, in_worker=False):
 def load_script(name):
     """The globals of scripts/NAME.py, run by path as module NAME (its main() not called)."""
     return runpy.run_path(str(ROOT / "scripts" / f"{name}.py"), run_name=name)
+
+
+def wait_for(cond, timeout=120.0, poll=0.005):
+    """True once cond() holds, False after timeout seconds."""
+    end = time.time() + timeout
+    while time.time() < end:
+        if cond():
+            return True
+        time.sleep(poll)
+    return False

@@ -12,7 +12,7 @@ import time
 import psutil
 import pytest
 
-from tests.helpers import ROOT, run_cli, train_tiny
+from tests.helpers import ROOT, run_cli, train_tiny, wait_for
 
 pytestmark = pytest.mark.distributed
 
@@ -23,15 +23,6 @@ def start_cli(tmp_path, *args):
     with open(tmp_path / "out.txt", "w") as out, open(tmp_path / "err.txt", "w") as err:
         return subprocess.Popen([sys.executable, "-m", "angelgpt", *map(str, args)], cwd=ROOT, env=env, text=True,
                                 stdout=out, stderr=err)
-
-
-def wait_for(cond, timeout=60.0):
-    end = time.time() + timeout
-    while time.time() < end:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def processes_of(ck):

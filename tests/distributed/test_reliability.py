@@ -10,7 +10,7 @@ import time
 import psutil
 import pytest
 
-from tests.helpers import ROOT, check_one_line_error, read_metrics, run_cli, train_tiny
+from tests.helpers import ROOT, check_one_line_error, read_metrics, run_cli, train_tiny, wait_for
 
 pytestmark = pytest.mark.distributed
 WIDER = ["model.num_layers=4", "model.hidden_size=256"]  # a few MB per checkpoint: saves take a while
@@ -25,15 +25,6 @@ def start_cli(*args):
 def workers(proc):
     return [p for p in psutil.Process(proc.pid).children(recursive=True)
             if "angelgpt.train.worker" in " ".join(p.cmdline())]
-
-
-def wait_for(cond, timeout=120):
-    end = time.time() + timeout
-    while time.time() < end:
-        if cond():
-            return True
-        time.sleep(0.005)
-    return False
 
 
 def tracker(ck):
