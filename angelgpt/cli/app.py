@@ -143,6 +143,7 @@ def plan(
     if nvme is not None and nvme < 0:
         fail(f"--nvme must be >= 0, got {nvme}")
     cfg = resolve(size, config, list(overrides or []))
+    cfg.check_device(on_gpu=True)  # plans are for GPUs: what training on one refuses, this refuses too
     hw = machine_from(machine, gpu_mem_gib=gpu_mem, host_mem_gib=host_mem, nvme_gib=nvme, pcie_gbs=pcie_gbs,
                       nvme_gbs=nvme_gbs, net_gbps=net_gbps, gpu_tflops=gpu_tflops, gpus_per_node=gpus_per_node)
     gpus = hw.gpus_per_node
@@ -196,8 +197,23 @@ def train(
     save: Optional[str] = typer.Option(None, "--save", help="checkpoint directory to save into"),
     load: Optional[str] = typer.Option(None, "--load", help="checkpoint directory to resume from"),
     force: bool = typer.Option(False, "--force", help="launch even when the planner says it will not fit"),
+    rehearse: bool = typer.Option(False, "--rehearse", help="rehearse this job's ranks one by one on this machine "
+                                  "(fake collectives), each beside the planner's prediction; exit 2 if one runs out "
+                                  "of the target's memory"),
+    rehearse_rank: Optional[List[int]] = typer.Option(None, "--rehearse-rank", help="rank to rehearse; repeatable "
+                                                      "(default: rank 0 of the first, a middle and the last stage)"),
+    rehearse_steps: int = typer.Option(3, "--rehearse-steps", help="training steps per rehearsed rank"),
+    rehearse_report: Optional[str] = typer.Option(None, "--rehearse-report", help="JSON report of the rehearsal "
+                                                  "(default: --metrics-file)"),
+    gpu_mem: Optional[float] = typer.Option(None, "--gpu-mem", help="with --rehearse: GiB per GPU of the target "
+                                            "(default: this GPU's, or --machine's)"),
+    host_mem: Optional[float] = typer.Option(None, "--host-mem", help="with --rehearse: GiB of host memory per node "
+                                             "of the target (default: this machine's available, or --machine's)"),
+    machine: Optional[str] = typer.Option(None, "--machine", help="with --rehearse: catalogue machine whose "
+                                          "figures describe the target (default: this machine's GPU)"),
 ) -> None:
-    """Resolve the config, print it and the parameter count, check the plan, and launch torchrun workers."""
+    """Resolve the config, print it and the parameter count, check the plan, and launch torchrun workers
+    (with --rehearse: rehearse the job's ranks one at a time on this machine instead)."""
     from angelgpt.cli import launch
 
     extra = list(overrides or [])
@@ -227,6 +243,17 @@ def train(
     cfg.data.check_files()
     if not on_gpu and "train.device=cpu" not in extra:
         extra.append("train.device=cpu")
+    rehearsal_only = [name for name, value in (("--rehearse-rank", rehearse_rank), ("--rehearse-report",
+                      rehearse_report), ("--gpu-mem", gpu_mem), ("--host-mem", host_mem), ("--machine", machine))
+                      if value]
+    if rehearsal_only and not rehearse:
+        fail(f"{rehearsal_only[0]} applies to a rehearsal: add --rehearse")
+    if rehearse:
+        from angelgpt.cli.rehearse import rehearse as run_rehearsal
+
+        run_rehearsal(cfg, size, config, extra, on_gpu, nproc_per_node, nnodes, rehearse_rank, rehearse_steps,
+                      gpu_mem, host_mem, machine, rehearse_report or metrics_file, dry_run)
+        return
 
     from angelgpt.train.lifetime import take_save_lock
 

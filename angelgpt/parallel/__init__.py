@@ -1,19 +1,93 @@
-"""Process groups and Megatron parallel_state for one torchrun worker (rank-aware logging: `log.py`)."""
+"""Process groups and Megatron parallel_state for one torchrun worker (rank-aware logging: `log.py`).
+
+A rehearsal (`angelgpt train --rehearse`) plays one rank of a larger world in one process: the default
+group is torch's fake process group, whose collectives return at once and move no data (an all-gather
+copies the rank's own input into every slot, a reduce-scatter keeps its own chunk, a receive writes
+nothing: here it is zero-filled, so a pipeline stage gets zeros, not uninitialised memory). `rehearsal()`
+says so to the code that would otherwise wait on other ranks (resolving once on rank 0 and broadcasting
+an object, refusing together).
+"""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from datetime import timedelta
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 
-def initialize(tensor_parallel: int, pipeline_parallel: int, on_gpu: bool, timeout_minutes: float = 10.0) -> None:
+@dataclass(frozen=True)
+class Rehearsal:
+    """The rank a rehearsal plays, the world it plays it in, and on GPU the bytes its allocator may take."""
+
+    rank: int
+    world_size: int
+    gpu_cap_bytes: Optional[int] = None
+
+
+_REHEARSAL: dict = {"now": None}
+
+
+def rehearsal() -> Optional[Rehearsal]:
+    """The rehearsal this process runs (None in a real run)."""
+    return _REHEARSAL["now"]
+
+
+def _zero_filled_receives() -> None:
+    """A fake group's receive leaves its buffer as allocated (torch.empty: any bytes, NaN included);
+    zero it first. Patched where Megatron's P2P communicator and batch_isend_irecv look them up."""
+    from torch.distributed import distributed_c10d as c10d
+
+    def zeroing(original):
+        def receive(*args, **kwargs):
+            tensor = args[0] if args else kwargs["tensor"]
+            with torch.no_grad():
+                tensor.zero_()
+            return original(*args, **kwargs)
+        receive.__wrapped__ = original
+        return receive
+
+    for name in ("recv", "irecv"):
+        original = getattr(c10d, name)
+        if not hasattr(original, "__wrapped__"):
+            patched = zeroing(original)
+            setattr(c10d, name, patched)
+            setattr(dist, name, patched)
+
+
+def _start_rehearsal(r: Rehearsal, tensor_parallel: int, pipeline_parallel: int, on_gpu: bool) -> None:
+    """Rank r.rank of r.world_size under torch's fake process group, on this machine's first GPU (its
+    allocator capped at r.gpu_cap_bytes) or the CPU; Megatron's groups for the whole world, no gloo."""
+    from megatron.core import parallel_state
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    _REHEARSAL["now"] = r
+    if on_gpu:
+        torch.cuda.set_device(0)
+        if r.gpu_cap_bytes is not None:
+            total = torch.cuda.get_device_properties(0).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, r.gpu_cap_bytes / total), 0)
+    _zero_filled_receives()
+    dist.init_process_group("fake", store=FakeStore(), rank=r.rank, world_size=r.world_size)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_parallel,
+        pipeline_model_parallel_size=pipeline_parallel,
+        create_gloo_process_groups=False,
+    )
+
+
+def initialize(tensor_parallel: int, pipeline_parallel: int, on_gpu: bool, timeout_minutes: float = 10.0,
+               rehearse: Optional[Rehearsal] = None) -> None:
     """Creates the default group (NCCL on GPU, gloo on CPU) and Megatron's TP/PP/DP groups; a collective
-    that waits longer than timeout_minutes raises on the waiting rank."""
+    that waits longer than timeout_minutes raises on the waiting rank. With `rehearse`, the one rank it
+    names under the fake process group instead."""
     from megatron.core import parallel_state
 
+    if rehearse is not None:
+        return _start_rehearsal(rehearse, tensor_parallel, pipeline_parallel, on_gpu)
     if on_gpu:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():

@@ -292,8 +292,10 @@ def rank_tier_bytes(cfg: Config, dp: int, dp_rank: int, rate: float, host_limit:
 
 @_recompute_choice
 def plan_zero_cache(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int = 1,
-                    rate: Optional[float] = None, nvme: Optional[bool] = None) -> SystemPlan:
-    """ZeRO-Cache on rank 0 of the first pipeline stage (the largest: it holds the embedding)."""
+                    rate: Optional[float] = None, nvme: Optional[bool] = None, pp_rank: int = 0) -> SystemPlan:
+    """ZeRO-Cache on data-parallel rank 0 of pipeline stage pp_rank (default the first, the largest: it
+    holds the embedding): its parameters and store. A rate of 'auto' is chosen for the first stage.
+    Activations are the one-micro-batch model of activation_bytes whatever the stage."""
     world, dp = _world(cfg, gpus_per_node, nodes)
     zc = cfg.zero_cache
     if rate is None:
@@ -301,17 +303,17 @@ def plan_zero_cache(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int
     use_nvme = bool(zc.nvme_path) if nvme is None else nvme
     if rate == "auto":
         return auto_plan(cfg, hw, gpus_per_node, nodes, use_nvme)
-    resolved = _resolve_auto(cfg, dp, lambda c: plan_zero_cache(c, hw, gpus_per_node, nodes, rate, nvme))
+    resolved = _resolve_auto(cfg, dp, lambda c: plan_zero_cache(c, hw, gpus_per_node, nodes, rate, nvme, pp_rank))
     if resolved:
         return resolved
-    params = rank_params(cfg, 0)
+    params = rank_params(cfg, pp_rank)
     model_numel = sum(p.numel for p in params)
     host_limit = hw.host_mem_gib * GIB / gpus_per_node - HOST_PROCESS
     if zc.host_max_gib is not None:
         host_limit = min(host_limit, zc.host_max_gib * GIB)
     fraction = device_update_fraction(cfg, hw, gpus_per_node)
     numels, tiers, tb, offloaded, streamed = rank_tier_bytes(cfg, dp, 0, float(rate), host_limit, use_nvme,
-                                                             fraction=fraction)
+                                                             pp_rank=pp_rank, fraction=fraction)
     largest_layer = max(sub_group_numels(params).values())  # the largest sub-group, all of it (as the optimizer counts)
     off_device = [n for n, t in zip(numels, tiers) if t != "device"]
     resident = model_numel - sum(offloaded) * dp
@@ -437,10 +439,11 @@ def sub_group_numels(params) -> Dict[int, int]:
 
 
 @_recompute_choice
-def plan_megatron(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int = 1) -> SystemPlan:
-    """Megatron's distributed optimizer: bf16 weights, fp32 main grads, fp32 master + moments sharded over DP."""
+def plan_megatron(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int = 1, pp_rank: int = 0) -> SystemPlan:
+    """Megatron's distributed optimizer: bf16 weights, fp32 main grads, fp32 master + moments sharded over DP
+    (a rank of pipeline stage pp_rank)."""
     world, dp = _world(cfg, gpus_per_node, nodes)
-    n = sum(p.numel for p in rank_params(cfg, 0))
+    n = sum(p.numel for p in rank_params(cfg, pp_rank))
     # without transformer-engine or apex Megatron steps with torch's foreach AdamW, whose temporaries
     # came to 4 bytes per parameter on the H200: 7 layers of the 55 shape peaked at 124.4 GiB allocated
     # with micro batch 1, 2 and 4 alike (weights, main grads, states and these: 124.3). The step's
@@ -457,11 +460,13 @@ def plan_megatron(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int =
 
 
 @_recompute_choice
-def plan_megatron_cpu_offload(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int = 1) -> SystemPlan:
+def plan_megatron_cpu_offload(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int = 1,
+                              pp_rank: int = 0) -> SystemPlan:
     """Megatron's HybridDeviceOptimizer: offload_fraction of fp32 master, moments and an fp32 gradient copy
-    in pinned host memory, updated by torch's CPU AdamW after backward (the transfers overlap it)."""
+    in pinned host memory, updated by torch's CPU AdamW after backward (the transfers overlap it); a rank of
+    pipeline stage pp_rank."""
     world, dp = _world(cfg, gpus_per_node, nodes)
-    n = sum(p.numel for p in rank_params(cfg, 0))
+    n = sum(p.numel for p in rank_params(cfg, pp_rank))
     f = cfg.optim.offload_fraction
     shard = -(-n // dp)
     # transfer buffers: measured 2.8 B/param on the H200 (7 layers of the 55 shape, fraction 1.0: 61.3 GiB).
@@ -509,7 +514,9 @@ def plan(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int = 1) -> Di
             "zero3_offload": plan_zero3_offload(cfg, hw, gpus_per_node, nodes)}
 
 
-def plan_for(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int = 1) -> SystemPlan:
-    """The plan of the optimizer the configuration asks for."""
+def plan_for(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int = 1, pp_rank: int = 0) -> SystemPlan:
+    """The plan of the optimizer the configuration asks for, for a rank of pipeline stage pp_rank (its
+    parameters and optimizer states; activations as activation_bytes models them for any stage)."""
     return {"zero_cache": plan_zero_cache, "megatron": plan_megatron,
-            "megatron_cpu_offload": plan_megatron_cpu_offload}[cfg.optim.optimizer](cfg, hw, gpus_per_node, nodes)
+            "megatron_cpu_offload": plan_megatron_cpu_offload}[cfg.optim.optimizer](
+        cfg, hw, gpus_per_node, nodes, pp_rank=pp_rank)

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from angelgpt import parallel
 from angelgpt.config import Config
 from angelgpt.data.dataset import micro_batches
 from angelgpt.model.flops import flops_per_iteration
@@ -132,6 +133,16 @@ class Trainer:
         self.iteration = 0
         self.consumed = 0
         self.skipped = 0
+        # a rehearsal (fake collectives: losses and norms are meaningless, non-finite ones included)
+        # neither skips nor aborts on them, and records each iteration's times (device synchronized)
+        self.rehearsal = parallel.rehearsal() is not None
+        self.records: List[dict] = []
+
+    def _clock(self) -> float:
+        """Now; in a rehearsal on GPU after the device has finished what is queued."""
+        if self.rehearsal and self.on_gpu:
+            torch.cuda.synchronize()
+        return time.perf_counter()
 
     def _run(self, iterator, forward_only: bool):
         return self.forward_backward(
@@ -193,9 +204,12 @@ class Trainer:
             profiling.begin(self.iteration + 1)
             PHASE["now"] = f"iteration {self.iteration + 1}: forward and backward"
             self.optimizer.zero_grad()
+            started = self._clock()
             stats = self._run(it, forward_only=False)
             loss = _mean_loss(stats, self.device)
-            loss_ok = all_ranks(math.isfinite(loss) or not parallel_state.is_pipeline_last_stage(), self.device)
+            loss_ok = self.rehearsal or all_ranks(
+                math.isfinite(loss) or not parallel_state.is_pipeline_last_stage(), self.device)
+            backward_done = self._clock()
             if loss_ok:
                 PHASE["now"] = f"iteration {self.iteration + 1}: optimizer step"
                 ok, grad_norm, _ = self.optimizer.step()
@@ -203,6 +217,12 @@ class Trainer:
                 ok, grad_norm = False, float("nan")
                 self.optimizer.zero_grad()
             grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
+            if self.rehearsal:
+                stepped = self._clock()
+                self.records.append({"iteration": self.iteration + 1, "forward_backward_s": backward_done - started,
+                                     "optimizer_step_s": stepped - backward_done, "loss": loss,
+                                     "grad_norm": grad_norm, "stepped": bool(ok and math.isfinite(grad_norm)),
+                                     "zero_cache_profile": self.optimizer.profile_record()})
             if ok and math.isfinite(grad_norm):
                 self.scheduler.step(increment=1)
                 in_a_row = 0
@@ -213,7 +233,7 @@ class Trainer:
             self.consumed += cfg.train.global_batch_size
             window_iters += 1
             stop = stop_requested(self.device)
-            aborting = in_a_row >= cfg.train.max_consecutive_skips
+            aborting = in_a_row >= cfg.train.max_consecutive_skips and not self.rehearsal
             last = stop or aborting or self.iteration == cfg.train.train_iters or bool(
                 cfg.train.exit_interval and self.iteration % cfg.train.exit_interval == 0)
             val_loss = None

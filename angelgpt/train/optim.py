@@ -179,7 +179,11 @@ def build_megatron_optimizer(model, cfg: Config) -> MegatronDistributedOptimizer
         clip_grad=o.clip_grad, bf16=True, params_dtype=torch.bfloat16,
         use_distributed_optimizer=True, **offload,
     )
-    return MegatronDistributedOptimizer(model, get_megatron_optimizer(opt_config, [model]))
+    from angelgpt import parallel
+
+    # a rehearsal's fake process group has no gloo groups beside it
+    return MegatronDistributedOptimizer(model, get_megatron_optimizer(
+        opt_config, [model], use_gloo_process_groups=parallel.rehearsal() is None))
 
 
 def build_scheduler(optimizer, cfg: Config) -> OptimizerParamScheduler:

@@ -64,15 +64,18 @@ def resolve_once(cfg, on_gpu: bool):
     """The config with every 'auto' made concrete, once, by rank 0 (host memory differs a little from
     rank to rank); every rank follows. Launched by `angelgpt train`, it resolves from the launcher's
     machine reading, so it settles what the launcher printed (and says so if it did not); launched by
-    torchrun alone, from its own reading, and prints what it settled."""
+    torchrun alone, from its own reading, and prints what it settled. A rehearsal (one rank alone, no
+    other rank to broadcast from) resolves locally from the target machine the launcher hands it."""
     import torch.distributed as dist
 
+    from angelgpt import parallel
     from angelgpt.planner import Machine, read_this_machine, resolve_config, resolved_line
 
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    nodes = max(1, int(os.environ.get("WORLD_SIZE", "1")) // local)
+    nodes = max(1, dist.get_world_size() // local)
     choice = [None]
-    if dist.get_rank() == 0:
+    alone = parallel.rehearsal() is not None
+    if dist.get_rank() == 0 or alone:
         reading = os.environ.get(MACHINE_ENV)
         machine = Machine.from_json(reading) if reading else read_this_machine(cfg.zero_cache, local)
         resolved, _ = resolve_config(cfg, machine, local, nodes, on_gpu)
@@ -82,11 +85,18 @@ def resolve_once(cfg, on_gpu: bool):
         elif launcher_line is not None and line != launcher_line:
             log.warning(f"the workers resolved 'auto' differently from the launcher: {line}")
         choice = [resolved]
-    dist.broadcast_object_list(choice, src=0)
+    if not alone:
+        dist.broadcast_object_list(choice, src=0)
     return choice[0]
 
 
 def run(cfg) -> float:
+    return make_trainer(cfg).train()
+
+
+def make_trainer(cfg, rehearse=None):
+    """This rank's Trainer, everything built and resumed, ready to train(). `rehearse`
+    (parallel.Rehearsal): play that rank of its world alone, under the fake process group."""
     import torch
     from megatron.core import parallel_state
 
@@ -103,10 +113,10 @@ def run(cfg) -> float:
     cfg.check_device(on_gpu)
     if on_gpu and not torch.cuda.is_available():
         raise ConfigError("train.device is 'cuda' but no CUDA GPU is visible")
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = rehearse.world_size if rehearse else int(os.environ.get("WORLD_SIZE", "1"))
     cfg.data_parallel_size(world)
     parallel.initialize(cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size, on_gpu,
-                        cfg.parallel.distributed_timeout_minutes)
+                        cfg.parallel.distributed_timeout_minutes, rehearse)
     setup_logging()
     cfg = resolve_once(cfg, on_gpu)
     torch.manual_seed(cfg.train.seed)
@@ -136,7 +146,7 @@ def run(cfg) -> float:
              f"(DP={parallel_state.get_data_parallel_world_size()}, "
              f"TP={cfg.parallel.tensor_model_parallel_size}, PP={cfg.parallel.pipeline_model_parallel_size}, "
              f"device={'cuda' if on_gpu else 'cpu'})")
-    return trainer.train()
+    return trainer
 
 
 def main(argv=None) -> int:

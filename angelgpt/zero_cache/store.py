@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from angelgpt import parallel
 from angelgpt.config import Config, ConfigError
 from angelgpt.optimizer import no_weight_decay
 from angelgpt.parallel.log import EVERY_RANK, get_logger
@@ -35,7 +36,7 @@ from angelgpt.zero_cache.placement import (ACCUMULATION_SLOTS, DEVICE_UPDATE_SLI
                                            accumulation_bytes, chunk_runs, device_update_bytes, largest_off_device_group,
                                            partition, place, prefetch_depth, training_reserve)
 from angelgpt.zero_cache.tiers import (GIB, DeviceTier, HostTier, NVMeTier, available_bytes, check_capacity,
-                                       check_memlock)
+                                       check_memlock, device_memory)
 
 log = get_logger(__name__)
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -44,7 +45,11 @@ _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 def refuse_together(check) -> None:
     """Runs a rank's refusal check on every rank: when any refuses, all raise the first refusing rank's
     message (prefixed with its rank), so rank 0 reports it and no rank waits in a collective for one
-    that left. Placements differ per rank (an uneven DP partition), so one rank alone may not fit."""
+    that left. Placements differ per rank (an uneven DP partition), so one rank alone may not fit.
+    A rehearsal plays one rank alone: its check raises as it is (a CapacityError keeps what ran short)."""
+    if parallel.rehearsal():
+        check()
+        return
     try:
         check()
         problem = None
@@ -115,7 +120,9 @@ class Store:
         self.device_update_fraction = float(zc.device_update_fraction)
         self.group = parallel_state.get_data_parallel_group()
         self.dp_rank, self.dp_size = self.group.rank(), self.group.size()
-        self.use_reduce_scatter = dist.get_backend(self.group) == "nccl"
+        # a rehearsal on GPU takes NCCL's path, as the job it rehearses would
+        self.use_reduce_scatter = dist.get_backend(self.group) == "nccl" or bool(
+            parallel.rehearsal() and device.type == "cuda")
         self.num_microbatches = cfg.num_microbatches(self.dp_size)
         self.recompute = cfg.model.recompute == "full"
         self.accumulate = zc.accumulate_in_store is True and self.num_microbatches > 1
@@ -197,7 +204,7 @@ class Store:
             avail["device"] -= training_reserve(self.beside_store_bytes, largest, grad_bytes, any(flags),
                                                 sum(self._n(p) for p in self.params),
                                                 self.num_microbatches > 1 and not self.accumulate, depth)
-            avail["device"] -= int(GPU_HEADROOM * torch.cuda.mem_get_info(self.device)[1])
+            avail["device"] -= int(GPU_HEADROOM * device_memory(self.device)[1])
         # offloaded layers leave the device once their chunks exist, making room for the states
         avail["device"] += grad_bytes * sum(self._n(p) for gi, f in enumerate(flags) if f for p in self.sub_groups[gi])
         if not zc.nvme_path:

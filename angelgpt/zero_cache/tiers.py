@@ -197,14 +197,23 @@ class NVMeTier:
         self._staging = []
 
 
+class CapacityError(ConfigError):
+    """A refusal because memory runs short: `short` names the tiers ('device', 'host', 'nvme') or
+    'memlock' that do not have what is needed."""
+
+    def __init__(self, message, short):
+        super().__init__(message)
+        self.short = list(short)
+
+
 def check_capacity(needed: dict, available: dict) -> None:
     """Refuses, before any large allocation, a placement that does not fit; the message gives numbers."""
     short = [t for t in needed if needed[t] > available.get(t, 0)]
     if short:
         parts = ", ".join(f"{t} needs {needed[t]:,} B ({needed[t] / GIB:.2f} GiB), has "
                           f"{available.get(t, 0):,} B ({available.get(t, 0) / GIB:.2f} GiB)" for t in needed)
-        raise ConfigError(f"zero_cache: model states do not fit ({parts}); lower prefetch_cache_sub_group_rate, "
-                          f"raise zero_cache.host_max_gib / nvme_max_gib, or set zero_cache.nvme_path")
+        raise CapacityError(f"zero_cache: model states do not fit ({parts}); lower prefetch_cache_sub_group_rate, "
+                            f"raise zero_cache.host_max_gib / nvme_max_gib, or set zero_cache.nvme_path", short)
 
 
 def check_memlock(pinned_bytes: int, privileged: Optional[bool] = None) -> None:
@@ -216,9 +225,9 @@ def check_memlock(pinned_bytes: int, privileged: Optional[bool] = None) -> None:
         privileged = os.geteuid() == 0
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     if not privileged and soft != resource.RLIM_INFINITY and pinned_bytes > soft:
-        raise ConfigError(f"zero_cache: {pinned_bytes:,} B ({pinned_bytes / GIB:.2f} GiB) of host memory must be "
-                          f"pinned but the memlock limit (ulimit -l) allows {soft:,} B; raise it (ulimit -l "
-                          f"unlimited, or docker run --ulimit memlock=-1)")
+        raise CapacityError(f"zero_cache: {pinned_bytes:,} B ({pinned_bytes / GIB:.2f} GiB) of host memory must be "
+                            f"pinned but the memlock limit (ulimit -l) allows {soft:,} B; raise it (ulimit -l "
+                            f"unlimited, or docker run --ulimit memlock=-1)", ["memlock"])
 
 
 def host_bytes(host_max_gib: Optional[float]) -> int:
@@ -237,13 +246,28 @@ def nvme_bytes(nvme_path: Optional[str], nvme_max_gib: Optional[float]) -> int:
     return min(free, int(nvme_max_gib * GIB)) if nvme_max_gib is not None else free
 
 
+def device_memory(device: torch.device):
+    """(free, total) bytes of a CUDA device as this process may use them: with a per-process memory
+    fraction set (a rehearsal caps the allocator at the target GPU's memory), total is that share and
+    free what the allocator may still reserve within it."""
+    free, total = torch.cuda.mem_get_info(device)
+    try:
+        fraction = torch.cuda.get_per_process_memory_fraction(device)
+    except (AttributeError, RuntimeError):  # a torch without it: no cap can have been set through it
+        fraction = 1.0
+    if fraction < 1.0:
+        total = int(fraction * total)
+        free = max(0, min(free, total - torch.cuda.memory_reserved(device)))
+    return free, total
+
+
 def available_bytes(device: torch.device, host_max_gib: Optional[float], nvme_path: Optional[str],
                     nvme_max_gib: Optional[float]) -> dict:
     """What each tier may take: the device's free memory (the optimizer sets aside what training needs
     beside the states), host_bytes, nvme_bytes. On CPU, which stands in for both, the device and the
     host each get half of MemAvailable unless host_max_gib says otherwise."""
     if device.type == "cuda":
-        dev = torch.cuda.mem_get_info(device)[0]
+        dev = device_memory(device)[0]
         host = host_bytes(host_max_gib)
     else:
         dev = mem_available_bytes() // 2

@@ -1,0 +1,274 @@
+"""`angelgpt train --rehearse`: a multi-GPU job rehearsed rank by rank on this one machine.
+
+For each rank rehearsed (by default one of each pipeline stage kind: first, middle, last), one process
+after another (angelgpt.train.rehearse) plays that rank of the real job's world under torch's fake
+process group: its real model shard, optimizer placement and tiers and a few real steps, the GPU
+allocator capped at the target's GPU memory and ZeRO-Cache's host budget the target node's host memory
+per GPU. 'auto' is resolved for the target machine, as the real job would resolve it. Each rank's
+measured peaks and step times are printed beside the planner's prediction for its pipeline stage, and
+written as JSON. Exit 0 when every rehearsed rank ran, 2 when one ran out of the target's memory (one
+line says what ran out), 1 when a rehearsal failed otherwise.
+
+No torch import at module level (the CLI stays quick).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, replace
+from statistics import median
+from typing import List, Optional
+
+GIB = 1024 ** 3
+
+
+def coordinates(rank: int, tp: int, pp: int, dp: int) -> dict:
+    """Megatron's (tensor, data, pipeline) ranks of a global rank, its default order tp-cp-ep-dp-pp."""
+    return {"tp_rank": rank % tp, "dp_rank": (rank // tp) % dp, "pp_rank": rank // (tp * dp)}
+
+
+def stage_kind(pp_rank: int, pp: int) -> str:
+    if pp == 1:
+        return "only"
+    return "first" if pp_rank == 0 else "last" if pp_rank == pp - 1 else "middle"
+
+
+def default_ranks(tp: int, pp: int, dp: int) -> List[int]:
+    """Rank 0 of the first pipeline stage, of one middle stage (the second) and of the last."""
+    stages = [0] if pp == 1 else [0, pp - 1] if pp == 2 else [0, 1, pp - 1]
+    return [p * tp * dp for p in stages]
+
+
+def target_machine(zc, on_gpu: bool, gpus_per_node: int, machine: Optional[str], gpu_mem: Optional[float],
+                   host_mem: Optional[float]):
+    """The target node and this GPU's total bytes (0 without one). With --machine: that catalogue row,
+    memory as given or the row's; else this machine's GPU as describe() reads it (its catalogue rates),
+    with GPU memory and host memory per node as given or as read here (this GPU's total; MemAvailable,
+    capped by a cgroup limit)."""
+    import torch
+
+    from angelgpt.planner import describe, machine_from
+    from angelgpt.zero_cache.tiers import mem_available_bytes, nvme_bytes
+
+    if on_gpu:
+        props = torch.cuda.get_device_properties(0)
+        name, total = props.name, props.total_memory
+    else:
+        name, total = "no CUDA GPU", 0
+    if machine:
+        return machine_from(machine, gpu_mem_gib=gpu_mem, host_mem_gib=host_mem, gpus_per_node=gpus_per_node), total
+    hw = describe(name, int(gpu_mem * GIB) if gpu_mem is not None else total, gpus_per_node,
+                  int(host_mem * GIB) if host_mem is not None else mem_available_bytes(),
+                  nvme_bytes(zc.nvme_path, zc.nvme_max_gib))
+    sources = dict(hw.sources)
+    for key, value in (("gpu_mem_gib", gpu_mem), ("host_mem_gib", host_mem)):
+        if value is not None:
+            sources[key] = f"given: {value:g} GiB by --{key.split('_')[0]}-mem (the target node)"
+    return replace(hw, sources=sources), total
+
+
+def _gib(b) -> str:
+    b = b or 0
+    return f"{b / 2 ** 20:.2f} MiB" if 0 < b < GIB // 100 else f"{b / GIB:.2f} GiB"
+
+
+def _predicted(p, gpus_per_node: int, pp_rank: int) -> dict:
+    host_rank = sum(p.host_bytes.values())
+    return {"for": f"data-parallel rank 0 of pipeline stage {pp_rank} (the planner's per-rank model)",
+            "system": p.system, "fits": p.fits, "gpu_bytes": p.gpu_bytes, "gpu_total_bytes": p.gpu_total,
+            "host_bytes": p.host_bytes, "host_per_rank_bytes": host_rank, "host_node_bytes": p.host_total,
+            "margin_bytes": p.margin, "step_s": p.step_s, "step_time_s": p.step_time_s,
+            "bottleneck": p.bottleneck, "rate": p.rate}
+
+
+def _median_after_first(values: List[float]) -> Optional[float]:
+    values = [v for v in values if v is not None]
+    if not values:
+        return None
+    return median(values[1:] if len(values) > 1 else values)
+
+
+def render_rank(r: dict) -> str:
+    c, m, p = r["coordinates"], r.get("measured") or {}, r.get("predicted") or {}
+    on_gpu = r.get("device") == "cuda"
+    verdict = "fits" if r.get("fits") else (f"RAN OUT of {r['ran_out']['resource']}" if r.get("ran_out")
+                                            else "FAILED")
+    lines = [f"rank {r['rank']} (node {r['node_rank']}, {r['stage']} stage: pp {c['pp_rank']}, tp {c['tp_rank']}, "
+             f"dp {c['dp_rank']}) on {r.get('device', '?')}: {verdict}"]
+    if on_gpu:
+        lines.append(f"  GPU   peak {_gib(m.get('gpu_peak_allocated_bytes'))} allocated, "
+                     f"{_gib(m.get('gpu_peak_reserved_bytes'))} reserved, cap {_gib(r.get('gpu_cap_bytes'))}"
+                     f"   | predicted {_gib(p.get('gpu_total_bytes'))}")
+    else:
+        lines.append(f"  GPU   none (a CPU rehearsal: host memory is what is measured)   | predicted for a GPU rank "
+                     f"{_gib(p.get('gpu_total_bytes'))}")
+    zc = m.get("zero_cache")
+    tier = (f"; ZeRO-Cache host tier {_gib(zc['tier_bytes'].get('host'))} ({_gib(zc['host_pinned_bytes'])} pinned)"
+            if zc else "")
+    rss, share = m.get("host_peak_rss_bytes") or 0, r.get("host_share_bytes") or 0
+    over = " (above the node's host memory per rank)" if share and rss > share else ""
+    lines.append(f"  host  peak RSS {_gib(rss)}{over}{tier}; node's host memory per rank {_gib(share)}   "
+                 f"| predicted {_gib(p.get('host_per_rank_bytes'))} per rank")
+    steps = m.get("steps") or []
+    if steps:
+        fb = _median_after_first([s["forward_backward_s"] for s in steps])
+        opt = _median_after_first([s["optimizer_step_s"] for s in steps])
+        which = f"median of steps 2-{len(steps)}" if len(steps) > 2 else f"step {len(steps)}"
+        lines.append(f"  step  {fb + opt:.4f} s measured (forward-backward {fb:.4f} + optimizer step {opt:.4f}; "
+                     f"{which}; collectives faked)   | predicted compute {p.get('step_s', {}).get('compute', 0):.4f} s, "
+                     f"step {p.get('step_time_s', 0):.4f} s on the target")
+        prof = steps[-1].get("zero_cache_profile")
+        if prof:
+            busy = ", ".join(f"{k[:-3]} {v:.1f}" for k, v in prof.items() if k.endswith("_ms") and v
+                             and not k.startswith("exposed_"))
+            exposed = ", ".join(f"{k[8:-3]} {v:.1f}" for k, v in prof.items() if k.startswith("exposed_") and v)
+            lines.append(f"  zero_cache profile (last step, ms): {busy or 'nothing'}; exposed: {exposed or 'none'}")
+    if zc:
+        lines.append(f"  {zc['summary']}")
+    if r.get("ran_out"):
+        lines.append(f"  ran out: {r['ran_out']['message']}")
+    if r.get("error"):
+        lines.append(f"  error: {r['error']}")
+    return "\n".join(lines)
+
+
+def rehearse(cfg, size: Optional[str], config: Optional[str], extra: List[str], on_gpu: bool, nproc_per_node: int,
+             nnodes: int, ranks: Optional[List[int]], steps: int, gpu_mem: Optional[float], host_mem: Optional[float],
+             machine: Optional[str], report_path: Optional[str], dry_run: bool) -> None:
+    """Rehearses the ranks one after another; raises SystemExit(2) when one ran out of memory (one line
+    on stderr says which and what), SystemExit(1) when one failed otherwise."""
+    from angelgpt.cli import launch
+    from angelgpt.config import ConfigError
+    from angelgpt.planner import MACHINES, plan_for, resolve_config, resolved_line
+    from angelgpt.planner.plan import CUDA_CONTEXT
+    from angelgpt.train.lifetime import agent_preexec
+    from angelgpt.train.rehearse import REHEARSE_ENV
+    from angelgpt.train.worker import MACHINE_ENV, RESOLVED_ENV
+
+    if machine is not None and machine not in MACHINES:
+        raise ConfigError(f"--machine must be one of {', '.join(MACHINES)}, got '{machine}'")
+    for name, value in (("--gpu-mem", gpu_mem), ("--host-mem", host_mem)):
+        if value is not None and not value > 0:
+            raise ConfigError(f"{name} must be > 0 GiB, got {value}")
+    if steps < 1:
+        raise ConfigError(f"--rehearse-steps must be >= 1, got {steps}")
+    world = nproc_per_node * nnodes
+    tp, pp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
+    dp = cfg.data_parallel_size(world)
+    ranks = list(ranks) if ranks else default_ranks(tp, pp, dp)
+    bad = [r for r in ranks if not 0 <= r < world]
+    if bad:
+        raise ConfigError(f"--rehearse-rank {bad[0]} is not a rank of a world of {world} "
+                          f"({nnodes} x {nproc_per_node}): 0 to {world - 1}")
+
+    hw, gpu_total = target_machine(cfg.zero_cache, on_gpu, nproc_per_node, machine, gpu_mem, host_mem)
+    # ZeRO-Cache's host budget per rank: the target node's host memory over its GPUs (or less, if set)
+    share = hw.host_mem_gib / nproc_per_node
+    zc = cfg.zero_cache
+    host_max = share if zc.host_max_gib is None else min(zc.host_max_gib, share)
+    cfg = replace(cfg, zero_cache=replace(zc, host_max_gib=host_max))
+    resolved, _ = resolve_config(cfg, hw, nproc_per_node, nnodes, on_gpu)
+    line = resolved_line(cfg, resolved)
+    gpu_cap = None
+    if on_gpu:
+        gpu_cap = min(int(hw.gpu_mem_gib * GIB) - CUDA_CONTEXT, gpu_total)
+    overrides = [f"zero_cache.host_max_gib={host_max:.12f}", f"train.train_iters={steps}", "train.eval_interval=null",
+                 "train.exit_interval=null", "checkpoint.save=null", "checkpoint.load=null",
+                 "logging.metrics_file=null", "logging.tensorboard_dir=null", "logging.wandb_project=null",
+                 "logging.profile_steps=null", "logging.log_interval=1",
+                 "zero_cache.is_communication_time_profiling=true"]
+    worker_args = (["--size", size] if size else []) + (["--config", config] if config else []) + extra + overrides
+
+    budget = f" ({_gib(host_max * GIB)} ZeRO-Cache host budget per rank)" if cfg.optim.optimizer == "zero_cache" else ""
+    gpu_text = f"{hw.gpu_mem_gib:.1f} GiB per GPU" if hw.gpu_mem_gib else "no GPU"
+    print(f"rehearsal of a job of {nnodes} x {nproc_per_node} ranks (TP {tp} x PP {pp} x DP {dp}) on the target "
+          f"{hw.name}: {gpu_text}, {hw.host_mem_gib:.1f} GiB host per node{budget}; {steps} steps on "
+          f"{'this GPU, its allocator capped at ' + _gib(gpu_cap) if on_gpu else 'the CPU'}; ranks "
+          f"{', '.join(str(r) for r in ranks)}", flush=True)
+    if on_gpu and int(hw.gpu_mem_gib * GIB) > gpu_total:
+        print(f"angelgpt: warning: the target's GPU memory ({hw.gpu_mem_gib:.1f} GiB) is more than this GPU has "
+              f"({_gib(gpu_total)}): the rehearsal is capped by this GPU", file=sys.stderr, flush=True)
+    if cfg.checkpoint.save or cfg.checkpoint.load:
+        print("a rehearsal neither reads nor writes checkpoints (--save/--load ignored)")
+    if line:
+        print(line, flush=True)
+    cmd = [sys.executable, "-m", "angelgpt.train.rehearse"] + worker_args
+    if dry_run:
+        print(f"rehearsal command (one per rank): {launch.format_command(cmd)}")
+        return
+
+    results, failed = [], []
+    with tempfile.TemporaryDirectory(prefix="angelgpt-rehearse-") as tmp:
+        for rank in ranks:
+            where = coordinates(rank, tp, pp, dp)
+            kind = stage_kind(where["pp_rank"], pp)
+            print(f"rehearsing rank {rank} ({kind} stage) ...", flush=True)
+            path = os.path.join(tmp, f"rank{rank}.json")
+            env = launch.worker_env(on_gpu, nproc_per_node, cfg.optim.optimizer)
+            env.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank % nproc_per_node),
+                        "LOCAL_WORLD_SIZE": str(nproc_per_node), "GROUP_RANK": str(rank // nproc_per_node),
+                        MACHINE_ENV: hw.to_json(), RESOLVED_ENV: line,
+                        REHEARSE_ENV: json.dumps({"rank": rank, "world_size": world, "gpu_cap_bytes": gpu_cap,
+                                                  "report": path})})
+            proc = subprocess.run(cmd, env=env, stderr=subprocess.PIPE, text=True, errors="replace",
+                                  preexec_fn=agent_preexec())
+            report = json.load(open(path)) if os.path.isfile(path) else None
+            if report is None:
+                killed = proc.returncode == -9
+                report = {"rank": rank, "fits": False, "device": "cuda" if on_gpu else "cpu",
+                          "ran_out": {"resource": "host memory", "message": "the rehearsal was killed by SIGKILL, "
+                                      "most likely by the kernel's out-of-memory killer (this machine's host "
+                                      "memory)"} if killed else None,
+                          "error": None if killed else f"the rehearsal exited with code {proc.returncode}"}
+            for text in proc.stderr.splitlines():  # angelgpt's own warnings; the rest only on failure
+                if text.startswith("angelgpt: ") or (report.get("error") and not report.get("ran_out")):
+                    print(text, file=sys.stderr)
+            if report.get("coordinates") not in (None, where):
+                print(f"angelgpt: warning: rank {rank} played {report['coordinates']}, expected {where}",
+                      file=sys.stderr)
+            report.update(stage=kind, coordinates=where, node_rank=rank // nproc_per_node, gpu_cap_bytes=gpu_cap,
+                          host_budget_bytes=int(host_max * GIB), host_share_bytes=int(share * GIB),
+                          exit_code=proc.returncode,
+                          predicted=_predicted(plan_for(resolved, hw, nproc_per_node, nnodes,
+                                                        pp_rank=where["pp_rank"]), nproc_per_node, where["pp_rank"]))
+            results.append(report)
+            print(render_rank(report), flush=True)
+            if not report.get("fits"):
+                failed.append(report)
+
+    network = plan_for(resolved, hw, nproc_per_node, nnodes).step_s.get("network", 0.0)
+    communication = {"network_s": network, "predicted": True,
+                     "what": "the planner's data-parallel collective time per step left exposed beyond compute, "
+                             "for the full job; tensor- and pipeline-parallel communication are not modelled, "
+                             "and a rehearsal moves no data"}
+    print(f"communication (predicted by the planner for the full job, not measured): {network:.4f} s per step "
+          f"of data-parallel collectives exposed beyond compute; TP and PP communication not modelled", flush=True)
+    summary = {"rehearsal": {"nnodes": nnodes, "nproc_per_node": nproc_per_node, "world_size": world,
+                             "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+                             "data_parallel_size": dp, "steps": steps, "device": "cuda" if on_gpu else "cpu",
+                             "collectives": "fake (no data moved; losses meaningless)"},
+               "target": asdict(hw), "resolved": line, "fits": not failed, "ranks": results,
+               "predicted_communication": communication}
+    if report_path:
+        os.makedirs(os.path.dirname(os.path.abspath(report_path)), exist_ok=True)
+        with open(report_path, "w") as fh:
+            json.dump(summary, fh, indent=1, default=str)
+        print(f"rehearsal report written to {report_path}", flush=True)
+    ran_out = [r for r in failed if r.get("ran_out")]
+    errors = [r for r in failed if not r.get("ran_out")]
+    if errors:
+        worst = errors[0]
+        print(f"angelgpt: error: rehearsal of rank {worst['rank']} failed: {worst.get('error')}", file=sys.stderr,
+              flush=True)
+        raise SystemExit(2 if worst.get("exit_code") == 2 else 1)
+    if ran_out:
+        first = ran_out[0]
+        who = ", ".join(f"rank {r['rank']} ({r['stage']} stage)" for r in ran_out)
+        print(f"angelgpt: error: rehearsal: {who} ran out of {first['ran_out']['resource']}: "
+              f"{first['ran_out']['message']}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+    print("rehearsal: every rehearsed rank fits", flush=True)

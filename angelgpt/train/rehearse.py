@@ -1,0 +1,133 @@
+"""One rehearsed rank: `angelgpt train --rehearse` starts this, one process per rank it rehearses.
+
+The process plays rank R of the real job's world (ANGELGPT_REHEARSE: rank, world size, GPU cap, report
+path) under torch's fake process group (angelgpt.parallel): Megatron's parallel state for the whole
+world, the rank's real model shard and, with ZeRO-Cache, its real placement over real tiers, then a few
+real training steps on the config's data. Collectives return at once and move no data, so losses are
+meaningless (a receive yields zeros) and the loop neither skips nor aborts on non-finite values.
+
+On GPU the allocator is capped at the target GPU's memory (exceeding it is a real CUDA out-of-memory
+error); ZeRO-Cache's host budget is the target node's host memory per GPU (zero_cache.host_max_gib, set
+by the launcher). It writes what it measured as JSON to the report path and exits 0 when the rank ran,
+2 when it ran out of memory (or its input was refused), 1 on any other failure.
+
+    ANGELGPT_REHEARSE='{"rank": 4, "world_size": 8, "report": "r4.json"}' \\
+        python -m angelgpt.train.rehearse --size tiny train.device=cpu ...
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import sys
+import traceback
+import warnings
+
+REHEARSE_ENV = "ANGELGPT_REHEARSE"
+
+
+def _peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def _ran_out(exc: BaseException, on_gpu: bool):
+    """(resource, message) when exc says memory ran short, else None."""
+    import torch
+
+    from angelgpt.zero_cache.tiers import CapacityError
+
+    first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+    if isinstance(exc, CapacityError):
+        names = {"device": "GPU memory" if on_gpu else "device-tier memory (the CPU standing in for the GPU)",
+                 "host": "host memory", "nvme": "NVMe space", "memlock": "pinnable host memory (memlock limit)"}
+        return ", ".join(names.get(t, t) for t in exc.short), first
+    if isinstance(exc, torch.OutOfMemoryError):
+        return "GPU memory", first[:300]
+    if isinstance(exc, MemoryError) or (isinstance(exc, RuntimeError) and "can't allocate memory" in first):
+        return "host memory", first[:300]
+    return None
+
+
+def _measure(trainer, on_gpu: bool) -> dict:
+    import torch
+
+    out = {"host_peak_rss_bytes": _peak_rss_bytes(), "gpu_peak_allocated_bytes": 0, "gpu_peak_reserved_bytes": 0}
+    if on_gpu and torch.cuda.is_initialized():
+        out["gpu_peak_allocated_bytes"] = int(torch.cuda.max_memory_allocated())
+        out["gpu_peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved())
+    if trainer is None:
+        return out
+    out["steps"] = [{k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in r.items()}
+                    for r in trainer.records]  # JSON has no NaN: a meaningless loss is null
+    store = getattr(trainer.optimizer, "store", None)
+    if store is not None and hasattr(store, "tiers"):  # ZeRO-Cache
+        host = store.tiers["host"]
+        upload = sum(b.numel() * b.element_size() for b in store.upload)
+        out["zero_cache"] = {"tier_bytes": store.allocated_bytes(), "host_pinned_bytes": host.pinned_bytes + upload,
+                             "planned_bytes": dict(store.planned_bytes), "summary": store.summary()}
+    return out
+
+
+def main(argv=None) -> int:
+    from angelgpt.train.lifetime import watch_launcher
+
+    watch_launcher()
+    warnings.filterwarnings("ignore", category=UserWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    import torch
+
+    from angelgpt import parallel
+    from angelgpt.config import ConfigError, resolve
+    from angelgpt.train.worker import _args, make_trainer
+
+    settings = json.loads(os.environ[REHEARSE_ENV])
+    args = _args(sys.argv[1:] if argv is None else argv)
+    report = {"rank": settings["rank"], "fits": False, "ran_out": None, "error": None}
+    trainer, on_gpu, rc = None, False, 0
+    try:
+        cfg = resolve(args.size, args.config, args.overrides)
+        on_gpu = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
+        r = parallel.Rehearsal(settings["rank"], settings["world_size"], settings.get("gpu_cap_bytes"))
+        trainer = make_trainer(cfg, r)
+        from megatron.core import parallel_state
+
+        report["coordinates"] = {"tp_rank": parallel_state.get_tensor_model_parallel_rank(),
+                                 "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
+                                 "dp_rank": parallel_state.get_data_parallel_rank()}
+        report["config"] = {"resolved": {"model.recompute": trainer.cfg.model.recompute,
+                                         "model.recompute_num_layers": trainer.cfg.model.recompute_num_layers,
+                                         **({f"zero_cache.{k}": getattr(trainer.cfg.zero_cache, k) for k in (
+                                             "prefetch_cache_sub_group_rate", "offload_params",
+                                             "accumulate_in_store", "device_update_fraction", "cpu_adam",
+                                             "host_max_gib")} if trainer.cfg.optim.optimizer == "zero_cache"
+                                            else {})}}
+        trainer.train()
+        report["fits"] = True
+    except Exception as exc:  # noqa: BLE001 - every failure is reported, then the process ends
+        out = _ran_out(exc, on_gpu)
+        if out is not None:
+            report["ran_out"] = {"resource": out[0], "message": out[1]}
+            rc = 2
+        elif isinstance(exc, ConfigError):
+            report["error"] = str(exc)
+            rc = 2
+        else:
+            report["error"] = f"{type(exc).__name__}: {exc}"
+            traceback.print_exc()
+            rc = 1
+    report["device"] = "cuda" if on_gpu else "cpu"
+    report["measured"] = _measure(trainer, on_gpu)
+    with open(settings["report"], "w") as fh:
+        json.dump(report, fh, indent=1, default=str)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if rc:  # a half-built optimizer may hold threads: end here, as a killed run would
+        os._exit(rc)
+    parallel.destroy()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""`angelgpt train --rehearse` on CPU: a TP 2 x PP 2 x DP 2 job of 8 ranks rehearsed one process per
+pipeline stage kind under torch's fake process group, each rank's measurement beside the planner's
+prediction; a host budget too small exits 2 with one line naming what ran out."""
+
+import json
+
+from tests.helpers import check_one_line_error, run_cli
+
+LAYOUT = ("--size", "tiny", "--device", "cpu", "--nproc-per-node", "8", "--rehearse",
+          "parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2")
+
+
+def _mem_total_bytes():
+    for line in open("/proc/meminfo"):
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no MemTotal")
+
+
+def test_rehearsal_of_each_stage_kind_reports_memory_beside_the_plan(tmp_path):
+    report = tmp_path / "rehearsal.json"
+    proc = run_cli("train", *LAYOUT, "optim.optimizer=zero_cache", "zero_cache.prefetch_cache_sub_group_rate=0.5",
+                   "--rehearse-report", report, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "rehearsal: every rehearsed rank fits" in proc.stdout
+    data = json.loads(report.read_text())
+    assert data["fits"] is True
+    assert data["rehearsal"]["world_size"] == 8 and data["rehearsal"]["data_parallel_size"] == 2
+    ranks = {r["rank"]: r for r in data["ranks"]}
+    assert sorted(ranks) == [0, 4]  # rank 0 of the first stage and of the last
+    assert [ranks[0]["stage"], ranks[4]["stage"]] == ["first", "last"]
+    assert ranks[4]["coordinates"] == {"tp_rank": 0, "dp_rank": 0, "pp_rank": 1}
+    assert "played" not in proc.stderr  # Megatron's parallel state put each rank where the launcher expected
+    total = _mem_total_bytes()
+    for r in ranks.values():
+        m = r["measured"]
+        assert r["fits"] and r["exit_code"] == 0 and r["ran_out"] is None
+        assert 0 < m["host_peak_rss_bytes"] < total
+        assert len(m["steps"]) == 3 and all(s["forward_backward_s"] > 0 for s in m["steps"])
+        assert m["steps"][-1]["zero_cache_profile"] is not None
+        assert 0 < m["zero_cache"]["tier_bytes"]["host"] < total
+        p = r["predicted"]
+        assert p["system"] == "zero_cache" and p["gpu_total_bytes"] > 0 and p["host_per_rank_bytes"] > 0
+        assert "pipeline stage" in p["for"]
+        assert f"rank {r['rank']} (node 0, {r['stage']} stage" in proc.stdout
+    # the stages hold different parameters: the planner's prediction follows the stage played
+    assert ranks[0]["predicted"]["gpu_bytes"] != ranks[4]["predicted"]["gpu_bytes"]
+    assert data["predicted_communication"]["predicted"] is True
+    assert "predicted by the planner" in proc.stdout
+
+
+def test_rehearsal_short_of_host_memory_exits_2_naming_it(tmp_path):
+    report = tmp_path / "short.json"
+    proc = run_cli("train", *LAYOUT, "optim.optimizer=zero_cache", "zero_cache.prefetch_cache_sub_group_rate=0.0",
+                   "--host-mem", "0.001", "--rehearse-rank", "0", "--metrics-file", report, timeout=600)
+    check_one_line_error(proc, "ran out of host memory", in_worker=True)
+    assert "rank 0 (first stage)" in proc.stderr
+    data = json.loads(report.read_text())
+    assert data["fits"] is False
+    (r,) = data["ranks"]
+    assert r["ran_out"]["resource"] == "host memory" and "host needs" in r["ran_out"]["message"]
+    assert r["exit_code"] == 2

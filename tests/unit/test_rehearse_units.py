@@ -1,0 +1,48 @@
+"""The rehearsal's pieces that need no process: which ranks it plays, where they sit in Megatron's
+layout, the planner's per-stage prediction, and its options refused without --rehearse."""
+
+import pytest
+
+from angelgpt.cli.rehearse import coordinates, default_ranks, stage_kind
+from angelgpt.config import resolve
+from angelgpt.planner import MACHINES, plan_for
+from tests.helpers import check_one_line_error, run_cli
+
+
+def test_default_ranks_are_rank_0_of_the_first_a_middle_and_the_last_stage():
+    assert default_ranks(tp=2, pp=1, dp=4) == [0]
+    assert default_ranks(tp=2, pp=2, dp=2) == [0, 4]
+    assert default_ranks(tp=2, pp=4, dp=2) == [0, 4, 12]
+    assert [stage_kind(p, 4) for p in range(4)] == ["first", "middle", "middle", "last"]
+    assert stage_kind(0, 1) == "only"
+
+
+def test_coordinates_follow_megatrons_tp_dp_pp_order():
+    assert coordinates(0, 2, 2, 2) == {"tp_rank": 0, "dp_rank": 0, "pp_rank": 0}
+    assert coordinates(3, 2, 2, 2) == {"tp_rank": 1, "dp_rank": 1, "pp_rank": 0}
+    assert coordinates(5, 2, 2, 2) == {"tp_rank": 1, "dp_rank": 0, "pp_rank": 1}
+    assert coordinates(5, 1, 4, 2) == {"tp_rank": 0, "dp_rank": 1, "pp_rank": 2}
+
+
+@pytest.mark.parametrize("optimizer", ["zero_cache", "megatron"])
+def test_the_plan_of_a_later_stage_holds_that_stages_parameters(optimizer):
+    cfg = resolve("55", None, ["parallel.pipeline_model_parallel_size=4", f"optim.optimizer={optimizer}",
+                               "zero_cache.prefetch_cache_sub_group_rate=0.3", "model.recompute=full",
+                               "zero_cache.accumulate_in_store=true", "zero_cache.offload_params=false",
+                               "zero_cache.device_update_fraction=0.0", "zero_cache.cpu_adam=native"])
+    hw = MACHINES["a100-40gx8"]
+    first, middle, last = (plan_for(cfg, hw, 8, 4, pp_rank=p) for p in (0, 1, 3))
+    assert plan_for(cfg, hw, 8, 4) == first  # the default is the first stage, as before
+    # the first stage holds the word and position embeddings, the middle none, the last the output layer
+    assert first.gpu_bytes["weights"] > last.gpu_bytes["weights"] > middle.gpu_bytes["weights"]
+
+
+@pytest.mark.parametrize("option", [["--gpu-mem", "40"], ["--host-mem", "1000"], ["--rehearse-rank", "1"],
+                                    ["--machine", "a100-40gx8"]])
+def test_rehearsal_options_need_rehearse(option):
+    check_one_line_error(run_cli("train", "--size", "tiny", "--device", "cpu", *option), "add --rehearse")
+
+
+def test_rehearsal_refuses_a_rank_outside_the_world():
+    check_one_line_error(run_cli("train", "--size", "tiny", "--device", "cpu", "--nproc-per-node", "2",
+                                 "--rehearse", "--rehearse-rank", "2"), "not a rank of a world of 2")
