@@ -100,6 +100,14 @@ class ModelConfig:
     """With recompute 'full': how many layers of each pipeline stage (the first ones) recompute their
     activations in backward, Megatron's recompute_method 'block'; the others keep theirs. None: every
     layer (recompute_method 'uniform', one layer at a time). With 'auto' the planner sets it."""
+    activation_offload: str = "auto"
+    """Activation offload with recompute: 'checkpoints' moves the inputs that recompute keeps of each
+    recomputed layer (what Megatron's checkpointing saves for its backward, 2*s*b*h bytes a layer, 1/TP
+    with sequence parallelism) to pinned host memory during forward and brings each back for its
+    layer's backward; needs model.recompute 'full' on GPU. 'none' keeps them on the GPU; 'auto': the
+    planner's choice at launch, on where it is what fits or is faster (on CPU: none). On CPU, where
+    recompute is not available, 'checkpoints' runs the same hooks over every tensor the forward saves
+    (a copy in host memory, where it already was), so that the path is exercised there."""
     transformer_impl: str = "auto"
     """'local' (Megatron's local layers with angelgpt's scaled_dot_product_attention core attention: the
     tested path, on CPU and GPU), 'transformer_engine' (Megatron's transformer-engine spec; GPU only,
@@ -135,6 +143,8 @@ class ModelConfig:
             _require(0 < self.recompute_num_layers <= self.num_layers,
                      f"model.recompute_num_layers must be in [1, num_layers={self.num_layers}], got "
                      f"{self.recompute_num_layers}")
+        _require(self.activation_offload in ("none", "checkpoints", "auto"),
+                 f"model.activation_offload must be 'none', 'checkpoints' or 'auto', got '{self.activation_offload}'")
         _require(self.transformer_impl in ("auto", "local", "transformer_engine"),
                  f"model.transformer_impl must be 'auto', 'local' or 'transformer_engine', got "
                  f"'{self.transformer_impl}'")
@@ -501,6 +511,10 @@ class Config:
 
     def check_device(self, on_gpu: bool) -> None:
         """Refuses what this build cannot run on the chosen device."""
+        if on_gpu:
+            _require(self.model.activation_offload != "checkpoints" or self.model.recompute == "full",
+                     f"model.activation_offload 'checkpoints' moves the inputs that recompute keeps: it needs "
+                     f"model.recompute 'full', got '{self.model.recompute}'")
         if not on_gpu:
             _require(self.optim.optimizer != "megatron_cpu_offload",
                      "optim.optimizer 'megatron_cpu_offload' needs CUDA (Megatron's HybridDeviceOptimizer)")

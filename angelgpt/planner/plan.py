@@ -16,14 +16,18 @@ Memory (bytes per rank):
   device-tier chunks exactly as ZeRO-Cache allocates them (``placement.tier_bytes``), activations by
   Megatron's formula (Korthikanti et al., 2022: s*b*h*34 per layer without recompute with flash
   attention, s*b*h*2 per recomputed layer plus one layer's full set while it recomputes; logits in
-  fp32), and a fixed workspace.
-  Host: the host-tier chunks exactly as allocated, the two pinned upload buffers, and the process.
+  fp32), and a fixed workspace. With model.activation_offload 'checkpoints' the recomputed layers' kept
+  inputs leave the GPU for pinned host memory (offloaded_activation_bytes).
+  Host: the host-tier chunks exactly as allocated, the two pinned upload buffers, the offloaded
+  activations, and the process.
   NVMe: the NVMe-tier chunks.
 Time: compute at the machine's achieved dense rate (hardware FLOPs, recompute included); gradient
 D2H hides behind the last micro batch's backward, the CPU update and the H2D upload behind the next
 step's first micro batch forward (the pipelined optimizer), NVMe I/O runs beside the CPU update, the
 DP collectives (reduce-scatter in backward, all-gather in forward) on the network. What is not
-hidden is exposed; the largest exposed term, else compute, is the bottleneck.
+hidden is exposed; the largest exposed term, else compute, is the bottleneck. Activation offload's
+copies (down in forward, up in backward, every micro batch) run on the compute stream
+(model/offload.py), so none of their time is hidden.
 """
 
 from __future__ import annotations
@@ -64,9 +68,10 @@ def host_update_rates(hw: Machine, gpus_per_node: int, cpu_adam: str = "auto"):
     return cpu, cpu * CPU_BESIDE_DEVICE_UPDATE, hw.pcie_gbs * DEVICE_UPDATE_PER_PCIE_GBS * 1e9
 
 
-def activation_bytes(cfg: Config, recompute: Optional[bool] = None) -> int:
-    """Peak activation memory of one pipeline stage for one micro batch (bf16): as configured, or with
-    every layer recomputed (True) or none (False)."""
+def activation_bytes(cfg: Config, recompute: Optional[bool] = None, offload: Optional[bool] = None) -> int:
+    """Peak GPU activation memory of one pipeline stage for one micro batch (bf16): as configured, or with
+    every layer recomputed (True) or none (False); the recomputed layers' kept inputs off the GPU with
+    activation offload as configured ('auto' counts as off), or on (True) or off (False)."""
     m, tp = cfg.model, cfg.parallel.tensor_model_parallel_size
     s, b, h = m.seq_length, cfg.train.micro_batch_size, m.hidden_size
     layers = m.num_layers // cfg.parallel.pipeline_model_parallel_size
@@ -81,9 +86,30 @@ def activation_bytes(cfg: Config, recompute: Optional[bool] = None) -> int:
         else (layers if recompute else 0)
     # the first `recomputed` layers keep their inputs; the rest keep everything, and are done with in
     # backward before the first recomputed layer's full set comes back
-    stored = recomputed * 2 * s * b * h // sp + max(layers - recomputed, 1 if recomputed else 0) * full_layer
+    on_gpu_inputs = 0 if _offloading(cfg, offload) else recomputed * _layer_input_bytes(cfg)
+    stored = on_gpu_inputs + max(layers - recomputed, 1 if recomputed else 0) * full_layer
     logits = s * b * cfg.padded_vocab_size() // tp * (MODEL_BYTES + 4 + 4)  # bf16 logits, fp32 copy and grad
     return stored + logits
+
+
+def _offloading(cfg: Config, offload: Optional[bool] = None) -> bool:
+    return cfg.model.activation_offload == "checkpoints" if offload is None else offload
+
+
+def _layer_input_bytes(cfg: Config) -> int:
+    """The input a recomputed layer keeps for its backward (what Megatron's checkpointing saves): s*b*h in
+    bf16, split over TP with sequence parallelism."""
+    m, tp = cfg.model, cfg.parallel.tensor_model_parallel_size
+    sp = tp if cfg.parallel.sequence_parallel else 1
+    return 2 * m.seq_length * cfg.train.micro_batch_size * m.hidden_size // sp
+
+
+def offloaded_activation_bytes(cfg: Config) -> int:
+    """Bytes that activation offload ('checkpoints') moves from one stage's GPU to pinned host memory for
+    one micro batch: every recomputed layer's kept input (0 without offload or without recompute)."""
+    if not _offloading(cfg):
+        return 0
+    return recomputed_layers(cfg) // cfg.parallel.pipeline_model_parallel_size * _layer_input_bytes(cfg)
 
 
 def accumulating(cfg: Config, dp: int) -> bool:
@@ -127,6 +153,7 @@ class SystemPlan:
     device_update_fraction: Optional[float] = None  # zero_cache: of the host-resident states, updated on the GPU
     recompute: str = "none"  # model.recompute as planned ('auto' resolved)
     recompute_num_layers: Optional[int] = None  # with 'full': the layers per stage that recompute (None: all)
+    activation_offload: str = "none"  # model.activation_offload as planned ('auto' resolved)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -149,6 +176,11 @@ def _world(cfg: Config, gpus_per_node: int, nodes: int):
 
 def _finish(system, cfg, hw, gpus_per_node, world, gpu, host, nvme, step, rate=None) -> SystemPlan:
     gpu_cap, host_cap, nvme_cap, _ = _capacity(hw, gpus_per_node)
+    offloaded = offloaded_activation_bytes(cfg)
+    if offloaded:  # pinned host memory for one micro batch's inputs; down and up on the compute stream
+        host = {**host, "offloaded_activations": offloaded}
+        mb = cfg.num_microbatches(cfg.data_parallel_size(world))
+        step = {**step, "activation_offload": mb * 2 * offloaded / (hw.pcie_gbs * 1e9)}
     gpu_total = sum(gpu.values())
     host_total = sum(host.values()) * gpus_per_node  # ranks of one node share its host memory
     nvme_total = nvme * gpus_per_node
@@ -162,7 +194,8 @@ def _finish(system, cfg, hw, gpus_per_node, world, gpu, host, nvme, step, rate=N
     return SystemPlan(system, gpu, host, nvme_total, gpu_total, host_total, all(v >= 0 for v in margin.values()),
                       margin, {k: round(v, 4) for k, v in step.items()}, round(total, 4), bottleneck, rate,
                       round(flops / total / world / 1e12, 1), recompute=cfg.model.recompute,
-                      recompute_num_layers=cfg.model.recompute_num_layers)
+                      recompute_num_layers=cfg.model.recompute_num_layers,
+                      activation_offload="checkpoints" if offloaded else "none")
 
 
 def _compute_s(cfg: Config, hw: Machine, world: int) -> float:
@@ -199,22 +232,31 @@ def _recompute_choice(plan_fn):
     and full recompute of the first k layers per stage (the rest keep their activations), k from all
     layers down while the plans fit (fewer recomputed layers need more memory); otherwise its plan as
     configured. A layer kept saves its recompute on every micro batch but takes GPU memory that the
-    states or the weights would have had."""
+    states or the weights would have had. With model.activation_offload 'auto', each recomputing choice
+    is planned with its kept inputs on the GPU and offloaded (on the GPU first, so a tie keeps them),
+    and the pick is among all of those; without recompute there is nothing to offload."""
     @wraps(plan_fn)
     def planned(cfg: Config, *args, **kwargs) -> SystemPlan:
-        if cfg.model.recompute != "auto":
-            return plan_fn(cfg, *args, **kwargs)
         m = cfg.model
-        plans = [plan_fn(replace(cfg, model=replace(m, recompute="none", recompute_num_layers=None)),
-                         *args, **kwargs)]
+        if m.recompute != "auto" and m.activation_offload != "auto":
+            return plan_fn(cfg, *args, **kwargs)
+        offloads = ("none", "checkpoints") if m.activation_offload == "auto" else (m.activation_offload,)
+
+        def with_(recompute, k, offload):
+            return plan_fn(replace(cfg, model=replace(m, recompute=recompute, recompute_num_layers=k,
+                                                      activation_offload=offload)), *args, **kwargs)
+
+        if m.recompute == "full":
+            return _pick([with_("full", m.recompute_num_layers, o) for o in offloads])
+        plans = [with_("none", None, "none" if m.activation_offload == "auto" else m.activation_offload)]
+        if m.recompute == "none":
+            return plans[0]
         per_stage = m.num_layers // cfg.parallel.pipeline_model_parallel_size
         for k in range(per_stage, 0, -1):
-            p = plan_fn(replace(cfg, model=replace(m, recompute="full",
-                                                   recompute_num_layers=None if k == per_stage else k)),
-                        *args, **kwargs)
-            if not p.fits and k < per_stage:
+            ps = [with_("full", None if k == per_stage else k, o) for o in offloads]
+            if not any(p.fits for p in ps) and k < per_stage:
                 break
-            plans.append(p)
+            plans += ps
         return _pick(plans)
     return planned
 
@@ -308,7 +350,7 @@ def plan_zero_cache(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int
         return resolved
     params = rank_params(cfg, pp_rank)
     model_numel = sum(p.numel for p in params)
-    host_limit = hw.host_mem_gib * GIB / gpus_per_node - HOST_PROCESS
+    host_limit = hw.host_mem_gib * GIB / gpus_per_node - HOST_PROCESS - offloaded_activation_bytes(cfg)
     if zc.host_max_gib is not None:
         host_limit = min(host_limit, zc.host_max_gib * GIB)
     fraction = device_update_fraction(cfg, hw, gpus_per_node)

@@ -15,7 +15,8 @@ def _gib(b: float) -> str:
 
 def to_json(cfg, hw: Machine, gpus_per_node: int, nodes: int, plans: Dict[str, SystemPlan], params: int) -> dict:
     return {"machine": asdict(hw), "gpus_per_node": gpus_per_node, "nodes": nodes, "params": params,
-            "activations_bytes": {"with_recompute": activation_bytes(cfg, True),
+            "activations_bytes": {"with_recompute": activation_bytes(cfg, True, False),
+                                  "with_recompute_offloaded": activation_bytes(cfg, True, True),
                                   "without_recompute": activation_bytes(cfg, False)},
             "plans": {k: p.to_dict() for k, p in plans.items()}}
 
@@ -29,15 +30,19 @@ def render(cfg, hw: Machine, gpus_per_node: int, nodes: int, plans: Dict[str, Sy
              f"{hw.host_mem_gib:.0f} GiB host and {hw.nvme_gib:.0f} GiB NVMe per node, PCIe {hw.pcie_gbs:g} GB/s, "
              f"NVMe {hw.nvme_gbs:g} GB/s, network {hw.net_gbps:g} GB/s, {hw.gpu_tflops:g} TFLOP/s, "
              f"CPU AdamW {hw.cpu_adam_gparams:g} G params/s",
-             f"activations per micro batch: {activation_bytes(cfg, True) / GIB:.2f} GiB with full recompute, "
-             f"{activation_bytes(cfg, False) / GIB:.2f} GiB without (model.recompute={m.recompute})"]
+             f"activations per micro batch on the GPU: {activation_bytes(cfg, True, False) / GIB:.2f} GiB with full "
+             f"recompute ({activation_bytes(cfg, True, True) / GIB:.2f} GiB with its kept inputs offloaded), "
+             f"{activation_bytes(cfg, False) / GIB:.2f} GiB without (model.recompute={m.recompute}, "
+             f"model.activation_offload={m.activation_offload})"]
     for name, p in plans.items():
         chosen = ([f"recompute {p.recompute_label()}"] if m.recompute == "auto" else []) + (
+            [f"activation offload {p.activation_offload}"] if m.activation_offload == "auto" else []) + (
             [f"prefetch_cache_sub_group_rate {p.rate:.2f}"] if p.rate is not None else []) + (
             [f"device_update_fraction {p.device_update_fraction:.2f}"] if p.device_update_fraction else []) + (
             ["accumulate_in_store"] if p.accumulate_in_store else [])
         title = name + (f" ({', '.join(chosen)})" if chosen else "")
-        verdict = "fits" if p.fits else "DOES NOT FIT"
+        verdict = ("fits (margin: " + ", ".join(f"{k} {v / GIB:+.2f} GiB" for k, v in p.margin.items()
+                                                 if k != "nvme" or p.nvme_bytes) + ")") if p.fits else "DOES NOT FIT"
         short = [f"{k} by {-v / GIB:.2f} GiB" for k, v in p.margin.items() if v < 0]
         if short and name == "zero_cache" and cfg.zero_cache.prefetch_cache_sub_group_rate == "auto":
             short.append("no rate fits; the closest shown")

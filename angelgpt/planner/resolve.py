@@ -50,10 +50,12 @@ def resolve_config(cfg: Config, machine: Machine, gpus_per_node: int, nodes: int
       decided first, as the planner's host update rate depends on it.
     On GPU, the plan of the configured optimizer for this machine (plan_for) decides:
       model.recompute and model.recompute_num_layers: the fastest choice that fits (else the closest);
+      model.activation_offload: with that choice, 'checkpoints' where offloading the recomputed layers'
+      kept inputs is what fits or is faster, else 'none';
       zero_cache (optimizer zero_cache): prefetch_cache_sub_group_rate, offload_params and
       accumulate_in_store as that plan placed them, device_update_fraction the split of the host update
       by the rates of its two paths (plan.device_update_fraction).
-    On CPU: model.recompute 'none' (full recompute needs CUDA).
+    On CPU: model.recompute 'none' (full recompute needs CUDA) and model.activation_offload 'none'.
     parallel.sequence_parallel (not an 'auto', but settled here too): off with TP 1, where there is no
       group to split the sequence over; resolved_line says so.
     zero_cache's settings that are still 'auto' (on CPU, or with another optimizer, which ignores them):
@@ -77,8 +79,10 @@ def resolve_config(cfg: Config, machine: Machine, gpus_per_node: int, nodes: int
     if on_gpu:
         chosen = plan_for(cfg, machine, gpus_per_node, nodes)
         if m.recompute == "auto":
-            cfg = replace(cfg, model=replace(m, recompute=chosen.recompute,
-                                             recompute_num_layers=chosen.recompute_num_layers))
+            m = replace(m, recompute=chosen.recompute, recompute_num_layers=chosen.recompute_num_layers)
+        if m.activation_offload == "auto":
+            m = replace(m, activation_offload=chosen.activation_offload)
+        cfg = replace(cfg, model=m)
         if cfg.optim.optimizer == "zero_cache":
             cfg = replace(cfg, zero_cache=replace(
                 zc,
@@ -88,8 +92,12 @@ def resolve_config(cfg: Config, machine: Machine, gpus_per_node: int, nodes: int
                 accumulate_in_store=bool(chosen.accumulate_in_store) if zc.accumulate_in_store == "auto"
                 else zc.accumulate_in_store,
                 device_update_fraction=device_update_fraction(cfg, machine, gpus_per_node)))
-    elif m.recompute == "auto":
-        cfg = replace(cfg, model=replace(m, recompute="none", recompute_num_layers=None))
+    else:
+        if m.recompute == "auto":
+            m = replace(m, recompute="none", recompute_num_layers=None)
+        if m.activation_offload == "auto":
+            m = replace(m, activation_offload="none")
+        cfg = replace(cfg, model=m)
     zc = cfg.zero_cache
     rate, frac = zc.prefetch_cache_sub_group_rate, zc.device_update_fraction
     cfg = replace(cfg, zero_cache=replace(

@@ -66,9 +66,14 @@ def loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
     return loss, {"lm loss": loss.detach().clone()}
 
 
-def forward_step(data_iterator, model):
+def forward_step(data_iterator, model, offload=None):
+    """One micro batch's forward; with `offload` (angelgpt.model.offload.offload_mode) the tensors it
+    selects of those the forward saves go to host memory until their backward."""
+    from angelgpt.model.offload import offloading
+
     batch = next(data_iterator)
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])  # [b, s]
+    with offloading(model, offload):
+        output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])  # [b, s]
     return output, partial(loss_func, batch["loss_mask"])
 
 
@@ -145,8 +150,11 @@ class Trainer:
         return time.perf_counter()
 
     def _run(self, iterator, forward_only: bool):
+        from angelgpt.model.offload import offload_mode
+
         return self.forward_backward(
-            forward_step_func=forward_step, data_iterator=iterator,
+            forward_step_func=partial(forward_step, offload=offload_mode(self.cfg.model.activation_offload,
+                                                                          self.on_gpu)), data_iterator=iterator,
             model=[self.model] if self.on_gpu or self.pipelined else self.model,
             num_microbatches=self.num_microbatches, seq_length=self.cfg.model.seq_length,
             micro_batch_size=self.cfg.train.micro_batch_size, forward_only=forward_only,

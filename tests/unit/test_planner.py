@@ -20,13 +20,16 @@ RESULTS = ROOT / "benchmarks" / "results"
 
 def _config(result: dict):
     """The config a bench result ran: its --size and KEY=VALUE overrides, from the recorded command, with
-    the in-store accumulation the planner chose for it (off in runs recorded before it could choose)."""
+    the in-store accumulation the planner chose for it (off in runs recorded before it could choose) and
+    no activation offload (the runs predate it)."""
     words = shlex.split(result["command"])
     size = words[words.index("--size") + 1]
     overrides = [w for w in words if "=" in w and not w.startswith("-")]
     if not any(w.startswith("zero_cache.accumulate_in_store=") for w in overrides):
         chosen = result.get("predicted", {}).get("accumulate_in_store")
         overrides.append(f"zero_cache.accumulate_in_store={'true' if chosen else 'false'}")
+    if not any(w.startswith("model.activation_offload=") for w in overrides):
+        overrides.append("model.activation_offload=none")  # every recorded run predates activation offload
     rate = result.get("predicted", {}).get("rate")
     if "zero_cache.prefetch_cache_sub_group_rate=auto" in overrides and rate is not None:
         overrides.append(f"zero_cache.prefetch_cache_sub_group_rate={rate}")  # the placement it ran with
@@ -228,11 +231,12 @@ def test_recompute_auto_keeps_the_activations_of_the_last_layers_that_fit():
     """At 19 layers of the 55 shape (micro batch 2, global batch 32) on one H200 the host still has room
     for part of a layer's states: 'auto' recomputes only the first k layers (Megatron's 'block'), the
     other layers' activations taking GPU memory that recomputing all 19 leaves free, and plans a faster
-    step than recomputing all 19 (each kept layer saves a forward on every micro batch)."""
+    step than recomputing all 19 (each kept layer saves a forward on every micro batch). (The kept
+    inputs stay on the GPU here: activation offload would free room for more kept layers.)"""
     def cfg(recompute, k=None):
         return resolve("h200-16b", overrides=["model.num_layers=19", f"model.recompute={recompute}",
                                               "train.micro_batch_size=2", "train.global_batch_size=32",
-                                              "zero_cache.accumulate_in_store=true"]
+                                              "zero_cache.accumulate_in_store=true", "model.activation_offload=none"]
                        + ([f"model.recompute_num_layers={k}"] if k else []))
 
     auto, full = plan_for(cfg("auto"), MACHINES["h200"]), plan_for(cfg("full"), MACHINES["h200"])
