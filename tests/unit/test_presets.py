@@ -1,4 +1,5 @@
-"""Presets resolve by name; the 28 and 55 presets carry the reference shapes; params is exact."""
+"""Presets resolve by name; the 28 and 55 presets carry the reference shapes and fit the reference node
+by the planner; params is exact."""
 
 import json
 
@@ -9,11 +10,11 @@ from angelgpt.config import resolve
 from angelgpt.model.flops import num_params
 from tests.helpers import run_cli
 
-SEED = {
+SEED = {  # the reference shapes, micro batches, sequence and rates; the parallel layout is the preset's choice
     "28": dict(num_layers=26, hidden_size=8192, num_attention_heads=128, ffn_hidden_size=32768, kv_channels=128,
-               micro_batch_size=38, rate=0.0, billions=28.3),
+               seq_length=2048, micro_batch_size=38, rate=0.0, billions=28.35),
     "55": dict(num_layers=68, hidden_size=8192, num_attention_heads=64, ffn_hidden_size=32768, kv_channels=128,
-               micro_batch_size=10, rate=0.1, billions=55.2),
+               seq_length=2048, micro_batch_size=10, rate=0.1, billions=55.2),
 }
 
 
@@ -49,12 +50,28 @@ def test_seed_presets_show_json(name):
     data = json.loads(proc.stdout)
     seed = SEED[name]
     model = data["config"]["model"]
-    for key in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "kv_channels"):
+    for key in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "kv_channels", "seq_length"):
         assert model[key] == seed[key], key
     assert data["config"]["train"]["micro_batch_size"] == seed["micro_batch_size"]
     assert data["config"]["zero_cache"]["prefetch_cache_sub_group_rate"] == seed["rate"]
-    assert data["padded_vocab_size"] == 50304
-    assert round(data["params"] / 1e9, 1) == seed["billions"]
+    multiple = 128 * data["config"]["parallel"]["tensor_model_parallel_size"]  # Megatron pads to 128 x TP
+    assert data["padded_vocab_size"] == -(-50257 // multiple) * multiple
+    assert abs(data["params"] / 1e9 - seed["billions"]) < 0.01
+
+
+@pytest.mark.parametrize("name", ["28", "55"])
+def test_reference_presets_fit_the_reference_node_by_the_planner(name):
+    """`angelgpt plan --size 28|55 --machine a100-40gx8 --host-mem 1000 --json`: ZeRO-Cache fits with the
+    preset as shipped (its TP, sequence parallelism and activation offload), with a margin on every
+    resource it uses."""
+    proc = run_cli("plan", "--size", name, "--machine", "a100-40gx8", "--host-mem", "1000", "--json")
+    assert proc.returncode == 0, proc.stderr
+    zc = json.loads(proc.stdout)["plans"]["zero_cache"]
+    assert zc["fits"] and zc["margin"]["gpu"] > 0 and zc["margin"]["host"] > 0, zc["margin"]
+    assert zc["rate"] == SEED[name]["rate"]
+    text = run_cli("plan", "--size", name, "--machine", "a100-40gx8", "--host-mem", "1000")
+    header = next(line for line in text.stdout.splitlines() if line.startswith("== zero_cache"))
+    assert f"fits (margin: gpu {zc['margin']['gpu'] / 2**30:+.2f} GiB" in header, header
 
 
 @pytest.mark.parametrize("name", ["28", "55", "tiny", "125m", "1.3b", "h200-5b", "h200-16b"])
