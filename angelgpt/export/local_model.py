@@ -91,8 +91,11 @@ def _sharded_tensors(tree):
 
 def load_weights(model, reader) -> int:
     """Reads every parameter of the (TP 1, PP 1) model from the checkpoint; returns how many tensors."""
+    from angelgpt.data.tokenizer import progress_bar
+
     loaded = 0
-    for sh in _sharded_tensors(model.sharded_state_dict()):
+    tensors = list(_sharded_tensors(model.sharded_state_dict()))
+    for sh in progress_bar(None, iterable=tensors, desc=f"loading iteration {reader.iteration}", unit="tensor"):
         n = sh.prepend_axis_num
         if n > 1:
             raise ConfigError(f"checkpoint key {sh.key} has {n} stacked axes; only the layer axis is read")
