@@ -98,17 +98,6 @@ def test_checkpoints_without_full_recompute_on_gpu_is_one_line_and_bad_values_to
 # state, so here (and only here) the RNG-state functions it calls are CPU-only stand-ins.
 
 
-@pytest.fixture(scope="module")
-def megatron_single_rank():
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29633", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    yield
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
-
 
 @pytest.fixture
 def cpu_recompute(monkeypatch, megatron_single_rank):

@@ -31,17 +31,6 @@ def built_params(cfg, layers):
     return sum(p.numel() for p in model.parameters())
 
 
-@pytest.fixture(scope="module")
-def megatron_single_rank():
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29631", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    yield
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
-
 
 @pytest.mark.parametrize("name", ["28", "55"])
 def test_seed_presets_show_json(name):
