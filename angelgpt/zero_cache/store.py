@@ -17,7 +17,6 @@ events), each the fields its docstring names.
 
 from __future__ import annotations
 
-import collections
 import re
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
@@ -239,9 +238,12 @@ class Store:
         return kernel
 
     # -- allocation --------------------------------------------------------------------------
-    def allocate(self, release) -> None:
-        """Every chunk's states and gradient buffer in its tier, the scratch and staging buffers;
-        release(gi) drops an offloaded layer's weights from the device once its chunks hold them."""
+    def allocate(self, release, materialize=None) -> None:
+        """Every chunk's states and gradient buffer in its tier, the scratch and staging buffers, one
+        sub-group after another, the last first; release(gi) drops an offloaded layer's weights from the
+        device once its chunks hold them. materialize(gi), when given, makes sub-group gi's weights real
+        first (layers built on the meta device, angelgpt.model.deferred): the device then holds the
+        resident layers and one offloaded layer at a time, never the whole model."""
         on_cuda = self.device.type == "cuda"
         self.tiers = {"device": DeviceTier(self.device), "host": HostTier(pin=on_cuda)}
         zc = self.cfg.zero_cache
@@ -259,31 +261,36 @@ class Store:
         self.upload = [torch.empty(min(max(upload), SLICE), dtype=self.model_dtype, pin_memory=True)
                        for _ in range(2)] if upload and on_cuda else []
         self._allocate_shared()
-        done = collections.Counter()
-        for c in reversed(self.chunks):  # last layers first: offloaded ones leave the device before states arrive
-            grad_tier = self.tiers["device" if c.tier == "device" else "host"]
-            c.grad = grad_tier.allocate(c.numel, self.model_dtype, pinned=True)
-            step_device = self.device if c.tier == "device" or c.device_update else torch.device("cpu")
-            c.step = torch.zeros((), dtype=torch.float32, device=step_device)
-            # the owned weights reach the chunk through its gradient buffer (pinned when it is on the host)
-            for p, view in c.views(c.grad):
-                view.copy_(p.detach())
-            if self.partitioned[c.group] and self.accumulate:  # gradients arrive from the first micro batch on
-                c.weights = self.tiers["host"].allocate(c.numel, self.model_dtype, pinned=True)
-                c.weights.copy_(c.grad)
-            elif self.partitioned[c.group]:
-                c.weights = c.grad  # holds the weights until the last backward's gradients replace them
-            if c.tier == "nvme":
-                c.file = self.nvme.create(c.key, STATES * c.numel)
-                staging = self.nvme.staging(0, STATES * c.numel).zero_()
-                staging[:c.numel].copy_(c.grad)
-                NVMeTier.write(c.file, staging)
-            else:
-                c.states = self.tiers[c.tier].allocate(STATES * c.numel, pinned=c.device_update).view(STATES, c.numel)
-                c.states[0].copy_(c.grad)
-            done[c.group] += 1
-            if self.partitioned[c.group] and done[c.group] == len(self.chunks_of[c.group]):
-                release(c.group)
+        for gi in reversed(range(len(self.sub_groups))):  # last layers first: offloaded ones leave the device
+            if materialize is not None:                    # before the first layers' states arrive
+                materialize(gi)
+            for c in reversed(self.chunks_of[gi]):
+                self._allocate_chunk(c)
+            if self.partitioned[gi]:  # also a layer of which this rank owns nothing
+                release(gi)
+
+    def _allocate_chunk(self, c: Chunk) -> None:
+        """One chunk: its gradient buffer (holding the owned weights first), step counter and states."""
+        grad_tier = self.tiers["device" if c.tier == "device" else "host"]
+        c.grad = grad_tier.allocate(c.numel, self.model_dtype, pinned=True)
+        step_device = self.device if c.tier == "device" or c.device_update else torch.device("cpu")
+        c.step = torch.zeros((), dtype=torch.float32, device=step_device)
+        # the owned weights reach the chunk through its gradient buffer (pinned when it is on the host)
+        for p, view in c.views(c.grad):
+            view.copy_(p.detach())
+        if self.partitioned[c.group] and self.accumulate:  # gradients arrive from the first micro batch on
+            c.weights = self.tiers["host"].allocate(c.numel, self.model_dtype, pinned=True)
+            c.weights.copy_(c.grad)
+        elif self.partitioned[c.group]:
+            c.weights = c.grad  # holds the weights until the last backward's gradients replace them
+        if c.tier == "nvme":
+            c.file = self.nvme.create(c.key, STATES * c.numel)
+            staging = self.nvme.staging(0, STATES * c.numel).zero_()
+            staging[:c.numel].copy_(c.grad)
+            NVMeTier.write(c.file, staging)
+        else:
+            c.states = self.tiers[c.tier].allocate(STATES * c.numel, pinned=c.device_update).view(STATES, c.numel)
+            c.states[0].copy_(c.grad)
 
     def _allocate_shared(self) -> None:
         """One device buffer for what never runs at once: the accumulation slots that host chunks'
