@@ -5,7 +5,10 @@
     python scripts/bench_train.py --runner deepspeed --name ds-L7 --size h200-16b -- model.num_layers=7
 
 The result JSON (under --out, default benchmarks/results/) holds the exact command, the commit, the
-machine, per-iteration records, and medians after warm-up of TFLOP/s/GPU and tokens/s, and peak memory.
+machine (with its boot id), the device call it ran in (`call`: ANGELGPT_BENCH_CALL, which the calling
+shell sets once per device call, else the machine's hostname and boot id), the config the run was given
+(`config`, every field), per-iteration records, and medians after warm-up of TFLOP/s/GPU and tokens/s,
+and peak memory. Two files compare fairly only when they share `call` and `machine`.
 """
 
 from __future__ import annotations
@@ -26,8 +29,26 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return "unknown"
+
+
+def call_id() -> str:
+    """The device call a run belongs to: ANGELGPT_BENCH_CALL when the calling shell set it (once per
+    call), else this machine's hostname and boot id (every run since the machine started)."""
+    return os.environ.get("ANGELGPT_BENCH_CALL") or f"{platform.node()}:{boot_id()}"
+
+
 def machine() -> dict:
-    info = {"host": platform.node(), "python": platform.python_version(), "cpus": os.cpu_count()}
+    info = {"host": platform.node(), "boot_id": boot_id(), "python": platform.python_version(),
+            "cpus": os.cpu_count()}
+    try:
+        info["host_mem_gib"] = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    except (ValueError, OSError, AttributeError):
+        pass
     try:
         import torch
 
@@ -36,6 +57,8 @@ def machine() -> dict:
             p = torch.cuda.get_device_properties(0)
             info.update(gpu=p.name, gpu_count=torch.cuda.device_count(), gpu_mem_gib=round(p.total_memory / 2**30, 1),
                         cuda=torch.version.cuda)
+            if getattr(p, "uuid", None) is not None:
+                info["gpu_uuid"] = str(p.uuid)
     except ImportError:
         pass
     return info
@@ -55,6 +78,17 @@ def commit(root=ROOT) -> str:
         return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=root, text=True).strip()
     except Exception:
         return "unknown"
+
+
+def given_config(size: str, overrides) -> dict:
+    """Every field of the config the run was given ('auto' as given; the run's `settings` lines say
+    what it resolved to), so that a default that changes later is still on record."""
+    from angelgpt.config import resolve, to_dict
+
+    try:
+        return to_dict(resolve(size, None, list(overrides)))
+    except Exception as exc:  # the run itself reports bad input
+        return {"error": str(exc)}
 
 
 def predicted(size: str, overrides, machine_info: dict) -> dict:
@@ -132,6 +166,7 @@ def main() -> int:
         "command": printable,
         "bench_command": "python scripts/bench_train.py " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
         "commit": commit(args.root),
+        "call": call_id(),
         "machine": machine(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "returncode": proc.returncode,
@@ -153,6 +188,7 @@ def main() -> int:
         if args.goal_tflops:
             result["goal_tflops_per_gpu"] = args.goal_tflops
             result["goal_met"] = result["tflops_per_gpu_median"] >= args.goal_tflops
+    result["config"] = given_config(args.size, args.overrides)
     if args.runner == "angelgpt":
         result["predicted"] = predicted(args.size, args.overrides, result["machine"])
     if steady:

@@ -1,0 +1,141 @@
+"""BENCHMARKS.md stays true to the result files: `scripts/bench_peers.py report` run on the committed
+files into a temporary directory gives the committed BENCHMARKS.md; every number of its notes is in the
+result file named beside it; a goal ratio of two files from different device calls is not given as a
+goal result."""
+
+import json
+import re
+import shutil
+import statistics
+import sys
+
+import pytest
+
+from tests.helpers import ROOT
+
+sys.path.insert(0, str(ROOT))
+from scripts.bench_report import generate, report, same_call  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+# a number outside a word: not the 3 of ZeRO-3, the 2 of H2D or the digits of a commit such as 4e6d409
+NUMBER = re.compile(r"(?<![\w.])(?<![A-Za-z]-)\d+(?:\.\d+)?(?!\w|\.\d)")
+
+
+def figures(notes: str):
+    """(number as written, the result file named after it) for every number of every note outside
+    code spans; a number with no file after it in its note comes with None."""
+    out = []
+    for note in (line for line in notes.splitlines() if line.startswith("- ")):
+        pending = []
+        for part in re.split(r"(`[^`]*`)", note):
+            if part.startswith("`"):
+                if part.endswith(".json`"):
+                    out += [(n, part.strip("`")) for n in pending]
+                    pending = []
+                continue
+            pending += NUMBER.findall(part)
+        out += [(n, None) for n in pending]
+    return out
+
+
+def values(result: dict):
+    """Every number a result file holds: its numeric fields, the numbers in its text fields (the
+    command, the log, what the run settled) and the medians after warm-up of ZeRO-Cache's profile."""
+    def walk(x):
+        if isinstance(x, dict):
+            for v in x.values():
+                yield from walk(v)
+        elif isinstance(x, list):
+            for v in x:
+                yield from walk(v)
+        elif isinstance(x, str):
+            yield from (float(t) for t in re.findall(r"\d+(?:\.\d+)?", x))
+        elif isinstance(x, (int, float)) and not isinstance(x, bool):
+            yield float(x)
+
+    yield from walk(result)
+    steady = [r["zero_cache_profile"] for r in result.get("records", [])[result.get("warmup_iters", 0):]
+              if r.get("zero_cache_profile")]
+    for key in steady[0] if steady else ():
+        yield statistics.median(p[key] for p in steady)
+
+
+def appears(number: str, result: dict) -> bool:
+    places = len(number.split(".")[1]) if "." in number else 0
+    return any(f"{v:.{places}f}" == number for v in values(result))
+
+
+def unsupported(notes: str, results):
+    return [(n, f) for n, f in figures(notes)
+            if f is None or not (results / f).is_file() or not appears(n, json.loads((results / f).read_text()))]
+
+
+@pytest.fixture(scope="module")
+def committed(tmp_path_factory):
+    out = tmp_path_factory.mktemp("report")
+    assert report(RESULTS, out, with_chart=False) == 0
+    return (out / "BENCHMARKS.md").read_text()
+
+
+def test_the_committed_benchmarks_md_is_what_report_generates(committed):
+    assert (ROOT / "BENCHMARKS.md").read_text() == committed, \
+        "BENCHMARKS.md differs from the result files: run python scripts/bench_peers.py report"
+
+
+def test_every_number_in_the_notes_is_in_the_result_file_named_beside_it(committed):
+    notes = committed.split("\n## Notes\n", 1)[1]
+    checked = figures(notes)
+    assert len(checked) > 100 and len({f for _, f in checked}) > 30  # the notes carry the figures
+    assert unsupported(notes, RESULTS) == []
+    # the check itself: a typed figure, or one put beside the wrong file, is caught
+    typed = notes.replace("made 418.4 TFLOP/s", "made 422.4 TFLOP/s", 1)
+    assert typed != notes
+    assert unsupported(typed, RESULTS) == [("422.4", "peers-zero_cache-L19-mb2-gb32-recomputeauto.json")]
+    assert unsupported("- (d) made 529.6 TFLOP/s at rate 0.75", RESULTS) == [("529.6", None), ("0.75", None)]
+
+
+def rerun(results, case, call, boot_id):
+    """A run again of a committed case as scripts/bench_train.py writes it: NAME-run2.json, with the
+    device call and the machine recorded."""
+    r = json.loads((RESULTS / f"{case}.json").read_text())
+    r.update(call=call, date="2026-12-05T00:00:00Z")
+    r["machine"] = dict(r["machine"], boot_id=boot_id)
+    (results / f"{case}-run2.json").write_text(json.dumps(r))
+
+
+def goal(text, what):
+    return next(line for line in text.splitlines() if line.startswith(f"| {what}"))
+
+
+A7, D7 = "peers-megatron-L7-mb2-gb32-recomputenone", "peers-zero_cache-L7-mb2-gb32-recomputenone"
+AT_A7 = "speed: (d) / (a) at (a)'s largest measured size (7 layers)"
+
+
+def test_a_ratio_of_two_files_from_different_calls_is_not_a_goal_result(tmp_path, committed):
+    # today's files predate the call record
+    assert goal(committed, AT_A7).endswith("| not a goal result | `peers-zero_cache-L7-mb2-gb32-recomputenone.json` / "
+                                           "`peers-megatron-L7-mb2-gb32-recomputenone.json` | call unknown |")
+    results = tmp_path / "results"
+    shutil.copytree(RESULTS, results)
+    rerun(results, A7, "call-1", "boot-1")
+    rerun(results, D7, "call-2", "boot-1")
+    text, _ = generate(results)
+    line = goal(text, AT_A7)
+    assert f"`{D7}-run2.json` / `{A7}-run2.json` | different calls |" in line and "| not a goal result |" in line
+    # the earlier runs of both cases are listed
+    for case in (A7, D7):
+        assert re.search(rf"`{case}.json` \| `{case}-run2.json` \|", text)
+
+    rerun(results, D7, "call-1", "boot-1")
+    text, _ = generate(results)
+    line = goal(text, AT_A7)
+    assert f"`{D7}-run2.json` / `{A7}-run2.json` | same call |" in line
+    assert re.search(r"\| 1\.05x \| met \|", line), line
+
+
+def test_one_call_on_two_machines_is_not_the_same_call():
+    a = {"call": "c", "machine": {"host": "vm", "boot_id": "1", "gpu": "NVIDIA H200"}}
+    assert same_call(a, dict(a)) == "same call"
+    assert same_call(a, dict(a, machine=dict(a["machine"], boot_id="2"))) == "different calls"
+    assert same_call(a, dict(a, call="d")) == "different calls"
+    assert same_call(a, {"machine": a["machine"]}) == "call unknown"
