@@ -7,9 +7,11 @@ the memory, host memory and disk read on the machine) and `read_this_machine` (t
 Also `Machine.to_json`/`from_json`: the launcher passes its reading to the workers, so that both
 resolve 'auto' from the same inputs. Torch-free except `read_this_machine`.
 
-Measured figures are of the one-H200 test machine: ../shared/FACTS.md (probe/hw.py, probe/pin.py) and
-the committed result files under benchmarks/results/. The 8-GPU rows were never measured: their
-figures are assumed, most of them scaled from the H200's.
+Measured figures are of the one-H200 test machine: ../shared/FACTS.md (probe/hw.py, probe/pin.py,
+beside the repository, not committed in it) and the committed result files under benchmarks/results/,
+each named in its figure's source (H200_STEP_RUNS for the compute rate). Those runs are the planner's
+calibration set; tests/data/planner_runs.json declares it, and the runs that validate the planner apart
+from it. The 8-GPU rows were never measured: their figures are assumed, most of them scaled from the H200's.
 """
 
 from __future__ import annotations
@@ -60,6 +62,39 @@ class Machine:
 
 
 _FACTS = "../shared/FACTS.md"
+# The runs gpu_tflops was fitted to (benchmarks/results/; every completed `angelgpt train` run of the
+# peers-* cases committed by then): they are calibration, never validation, of the planner's step time
+H200_STEP_RUNS = (
+    "peers-megatron-L7-mb1-gb32-recomputenone.json",
+    "peers-megatron-L7-mb2-gb32-recomputenone.json",
+    "peers-megatron-L7-mb4-gb32.json",
+    "peers-megatron_cpu_offload-L11-mb1-gb32-recomputenone.json",
+    "peers-megatron_cpu_offload-L11-mb2-gb32.json",
+    "peers-megatron_cpu_offload-L7-mb4-gb32.json",
+    "peers-megatron_cpu_offload-L8-mb2-gb32.json",
+    "peers-zero_cache-L11-mb1-gb32-recomputenone-devupdate0.45.json",
+    "peers-zero_cache-L11-mb1-gb32-recomputenone-rate0.7.json",
+    "peers-zero_cache-L11-mb1-gb32-recomputenone-rate0.74.json",
+    "peers-zero_cache-L11-mb1-gb32-recomputenone-rate0.78.json",
+    "peers-zero_cache-L11-mb1-gb32-recomputenone-rate0.79.json",
+    "peers-zero_cache-L11-mb1-gb32-recomputenone.json",
+    "peers-zero_cache-L11-mb2-gb32.json",
+    "peers-zero_cache-L12-mb2-gb32.json",
+    "peers-zero_cache-L13-mb2-gb32.json",
+    "peers-zero_cache-L19-mb2-gb32-recomputeauto-devupdate0.45.json",
+    "peers-zero_cache-L19-mb2-gb32-recomputeauto-split0.56.json",
+    "peers-zero_cache-L19-mb2-gb32-recomputeauto-split0.61.json",
+    "peers-zero_cache-L19-mb2-gb32-recomputeauto.json",
+    "peers-zero_cache-L19-mb2-gb32-recomputefull.json",
+    "peers-zero_cache-L19-mb2-gb32.json",
+    "peers-zero_cache-L20-mb2-gb2.json",
+    "peers-zero_cache-L6-mb4-gb32.json",
+    "peers-zero_cache-L7-mb1-gb32-recomputenone.json",
+    "peers-zero_cache-L7-mb2-gb32-recomputenone.json",
+    "peers-zero_cache-L7-mb4-gb32.json",
+    "peers-zero_cache-L8-mb2-gb32.json",
+    "peers-zero_cache_nvme-L24-mb2-gb2.json",
+)
 _H200_SOURCES = {
     "gpus_per_node": "measured: the test machine has one GPU (FACTS.md: one single-H200 machine)",
     "gpu_mem_gib": "measured: FACTS.md, 'NVIDIA H200, 139.8 GiB usable'",
@@ -72,14 +107,15 @@ _H200_SOURCES = {
                 "FACTS.md: 1.4 GB/s written, 1.5 read, one way at a time)",
     "net_gbps": "assumed: never measured (one GPU: no data-parallel collectives; FACTS.md: NCCL refuses two "
                 "ranks on the one GPU); NVLink-class bus bandwidth, unused at one GPU",
-    "gpu_tflops": "measured: fitted to the committed H200 training runs of the 55 shape "
-                  "(benchmarks/results/peers-*.json, 6 to 24 layers, Megatron's optimizers and ZeRO-Cache): "
-                  "planned step times average 0.3% under the measured ones (FACTS.md: Megatron GPT forward and "
+    "gpu_tflops": "measured: fitted to the step times of the committed H200 training runs of the 55 shape "
+                  "named in H200_STEP_RUNS (6 to 24 layers, Megatron's optimizers and ZeRO-Cache): planned "
+                  "step times average 0.3% under the measured ones (FACTS.md: Megatron GPT forward and "
                   "backward alone at h=8192 with full recompute 630 hardware TFLOP/s)",
     "cpu_adam_gparams": "measured: FACTS.md, 'CPU AdamW, torch fused, fp32, 16 threads: 4.2 G params/s'",
     "cpu_update_gparams": "measured: scripts/bench_cpu_adam.py with zero_cache.cpu_adam native (bf16 gradient in, "
                           "bf16 weights out, 64M-element slices, 16 threads): 2.8-3.5 G params/s "
-                          "(benchmarks/results/cpu_adam-67108864-static-split.json, -t16.json); the low end taken",
+                          "(benchmarks/results/cpu_adam-67108864-static-split.json, cpu_adam-67108864-t16.json); "
+                          "the low end taken",
 }
 
 

@@ -42,10 +42,16 @@ from angelgpt.planner.layout import chunk_numels, rank_params
 from angelgpt.planner.machines import GIB, Machine
 from angelgpt.zero_cache.placement import GPU_HEADROOM, SLICE, STATES, place, prefetch_depth, training_reserve
 
+# Each fitted constant names the committed result files (benchmarks/results/) that set it: the planner's
+# calibration set, which tests/data/planner_runs.json keeps apart from the runs that validate it.
 MODEL_BYTES = 2  # bf16 weights and gradients on GPU
+# assumed: a round allowance for cuBLAS workspace, NCCL buffers and allocator slack, never fitted to a run
 WORKSPACE = 3 * GIB  # cuBLAS workspace, NCCL buffers, allocator slack
+# assumed: what a CUDA context takes on the H200, never recorded in a committed result file
 CUDA_CONTEXT = 1 * GIB  # taken before anything is allocated (not in torch.cuda.mem_get_info's free)
-HOST_PROCESS = int(1.8 * GIB)  # the Python process with torch, CUDA and Megatron loaded (1.7-1.8 GiB measured)
+# the Python process with torch, CUDA and Megatron loaded: 1.7-1.8 GiB measured as the peak host memory of
+# runs that keep nothing on the host (peers-megatron-L7-mb4-gb32.json, peers-zero_cache-L7-mb4-gb32.json)
+HOST_PROCESS = int(1.8 * GIB)
 
 
 # ZeRO-Cache's host update with device_update_fraction, measured on the H200 in training (11 and 19 layers
@@ -54,11 +60,13 @@ HOST_PROCESS = int(1.8 * GIB)  # the Python process with torch, CUDA and Megatro
 # ways), the CPU beside it 3.0-3.8 (median 3.5), 1.25x the CPU figure above, which is the low end of the
 # kernel's own benchmark; other machines scale with their PCIe and CPU figures. At 19 layers, one
 # machine: 0.45 on the GPU made 421.0 model TFLOP/s against 414.3 at 0.56, the device path still the
-# longer of the two (1.69 against 1.34 s)
+# longer of the two (1.69 against 1.34 s). Runs: peers-zero_cache-L11-mb1-gb32-recomputenone-devupdate0.45.json,
+# peers-zero_cache-L19-mb2-gb32-recomputeauto-devupdate0.45.json,
+# peers-zero_cache-L19-mb2-gb32-recomputeauto-split0.56.json
 DEVICE_UPDATE_PER_PCIE_GBS = 2.55 / 55.0
 CPU_BESIDE_DEVICE_UPDATE = 1.25
 # zero_cache.cpu_adam torch (fp32 gradient scratch, torch's fused AdamW, weights converted back) against
-# the one-pass kernel, same benchmark: 2.09 against 2.81 G params/s
+# the one-pass kernel, same benchmark: 2.09 against 2.81 G params/s (cpu_adam-67108864-static-split.json)
 TORCH_CPU_UPDATE = 0.74
 
 
@@ -78,7 +86,8 @@ def activation_bytes(cfg: Config, recompute: Optional[bool] = None, offload: Opt
     # 10*sbh (norm and block inputs, dropout masks), unsharded unless sequence parallelism splits it over
     # TP too, attention's Q, K, V and output 8*sbh/tp (flash attention: no s*s), the MLP's two ffn-wide
     # tensors: 34*sbh at tp 1 with ffn 4h (measured on the H200 without recompute: 33.5*sbh a layer, 7
-    # layers of the 55 shape from micro batch 1 to 2); 10*sbh + 24*sbh/tp, or 34*sbh/tp with sequence
+    # layers of the 55 shape from micro batch 1 to 2: peers-zero_cache-L7-mb1-gb32-recomputenone.json,
+    # peers-zero_cache-L7-mb2-gb32-recomputenone.json); 10*sbh + 24*sbh/tp, or 34*sbh/tp with sequence
     # parallelism (Korthikanti et al. 2022)
     sp = tp if cfg.parallel.sequence_parallel else 1
     full_layer = s * b * h * (10 * tp // sp + 8) // tp + s * b * m.ffn_hidden_size * 4 // tp
@@ -88,7 +97,8 @@ def activation_bytes(cfg: Config, recompute: Optional[bool] = None, offload: Opt
     # backward before the first recomputed layer's full set comes back
     on_gpu_inputs = 0 if _offloading(cfg, offload) else recomputed * _layer_input_bytes(cfg)
     stored = on_gpu_inputs + max(layers - recomputed, 1 if recomputed else 0) * full_layer
-    logits = s * b * cfg.padded_vocab_size() // tp * (MODEL_BYTES + 4 + 4)  # bf16 logits, fp32 copy and grad
+    # bf16 logits, fp32 copy and grad (assumed from Megatron's loss, not fitted)
+    logits = s * b * cfg.padded_vocab_size() // tp * (MODEL_BYTES + 4 + 4)
     return stored + logits
 
 
@@ -291,7 +301,8 @@ def _resident_first(cfg: Config, dp: int):
     configs to try in order: weights resident first, offloaded only if that does not fit. Offloaded
     weights are fetched again for every micro batch on the link that carries the running sums
     (measured at 19 layers, 16 micro batches: 757 GB up per step, 245 model TFLOP/s offloaded against
-    285 resident). None when 'auto' needs no refining."""
+    285 resident: accumulate-L19-offloaded-weights.json against peers-zero_cache-L19-mb2-gb32.json).
+    None when 'auto' needs no refining."""
     zc = cfg.zero_cache
     if zc.offload_params != "auto" or not offload_params_on(cfg) or not (
             zc.accumulate_in_store is True and cfg.num_microbatches(dp) > 1):
@@ -407,7 +418,8 @@ def plan_zero_cache(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int
     transfers = mb * max(0.0, fetch_mb - compute / mb)
     if in_store:  # after the first micro batch: a round trip per host sub-group, up and down at once
         # (pipelined over the slots), behind the micro batch's backward; measured at 19 layers, 16 micro
-        # batches: hidden (the step 2.6 s over compute, 2.0 s of it the update)
+        # batches: hidden (the step 2.6 s over compute, 2.0 s of it the update;
+        # peers-zero_cache-L19-mb2-gb32.json)
         trip = off_numel * MODEL_BYTES / (hw.pcie_gbs * 1e9)
         transfers += (mb - 1) * max(0.0, trip - bwd_last)
     update = max(cpu, nvme_io)  # NVMe reads and writes are double buffered beside the CPU update
@@ -458,8 +470,10 @@ def auto_plan(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int = 1, 
 # meanwhile, beyond what the plan's workspace and in-flight gradients already cover. Measured on the H200
 # (55 shape): at 11 layers, 32 micro batches, memory reserved peaked at 131.9 GiB against 132.5 planned
 # (rate 0.79, no allocator retries); at 19 layers, 16 micro batches, 137.3 against 135.3 (rate 0.42, 0-1
-# retries a step). Counted in layers' gradients: two. (While every released gradient was also marked with
-# the D2H stream, reserved ran 18.3 GiB over allocated at 11 layers and this was six.)
+# retries a step). Counted in layers' gradients: two (peers-zero_cache-L11-mb1-gb32-recomputenone-rate0.79.json,
+# peers-zero_cache-L19-mb2-gb32-recomputeauto.json). (While every released gradient was also marked with the
+# D2H stream, reserved ran 18.3 GiB over allocated at 11 layers and this was six:
+# peers-zero_cache-L11-mb1-gb32-recomputenone-rate0.74.json.)
 STREAM_HELD_LAYERS = 2
 
 
@@ -488,7 +502,9 @@ def plan_megatron(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int =
     n = sum(p.numel for p in rank_params(cfg, pp_rank))
     # without transformer-engine or apex Megatron steps with torch's foreach AdamW, whose temporaries
     # came to 4 bytes per parameter on the H200: 7 layers of the 55 shape peaked at 124.4 GiB allocated
-    # with micro batch 1, 2 and 4 alike (weights, main grads, states and these: 124.3). The step's
+    # with micro batch 1, 2 and 4 alike (weights, main grads, states and these: 124.3;
+    # peers-megatron-L7-mb1-gb32-recomputenone.json, peers-megatron-L7-mb2-gb32-recomputenone.json,
+    # peers-megatron-L7-mb4-gb32.json). The step's
     # temporaries and the activations are not live at once: the larger of the two counts.
     activations = activation_bytes(cfg)
     gpu = {"weights": n * MODEL_BYTES, "main_grads": n * 4, "optimizer_states": -(-n * 12 // dp),
@@ -496,6 +512,7 @@ def plan_megatron(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int =
            "workspace": WORKSPACE + CUDA_CONTEXT}
     host = {"process": HOST_PROCESS}
     step = {"compute": _compute_s(cfg, hw, world),
+            # torch's fused AdamW on the H200, 120 G params/s (FACTS.md's probe; no committed result file)
             "gpu_optimizer": n / dp / 120e9,
             "network": (dp - 1) / dp * n * (4 + MODEL_BYTES) / (hw.net_gbps * 1e9) if dp > 1 else 0.0}
     return _finish("megatron", cfg, hw, gpus_per_node, world, gpu, host, 0, step)
@@ -512,9 +529,11 @@ def plan_megatron_cpu_offload(cfg: Config, hw: Machine, gpus_per_node: int = 1, 
     f = cfg.optim.offload_fraction
     shard = -(-n // dp)
     # transfer buffers: measured 2.8 B/param on the H200 (7 layers of the 55 shape, fraction 1.0: 61.3 GiB).
-    # Host: 16.9 B/param measured between steps (7 layers, fraction 1.0: 97.2 GiB) and a transient fp32
-    # gradient copy during the step (4 B/param), which the host OOM kills at 8 layers (fraction 1.0) and
-    # 12 and 13 layers (fraction 0.7) show
+    # Host: 16.9 B/param measured between steps (7 layers, fraction 1.0: 97.2 GiB; both from
+    # peers-megatron_cpu_offload-L7-mb4-gb32.json) and a transient fp32 gradient copy during the step
+    # (4 B/param), which the host OOM kills at 8 layers (fraction 1.0) and 12 and 13 layers (fraction 0.7)
+    # show (megatron_cpu_offload-L8-fraction1.0-host-oom.json, megatron_cpu_offload-L12-fraction0.7-host-oom.json,
+    # peers-megatron_cpu_offload-L13-mb2-gb32.json)
     gpu = {"weights": n * MODEL_BYTES, "main_grads": n * 4, "optimizer_states": int(shard * 12 * (1 - f)),
            "transfer_buffers": int(shard * 2.8 * f), "activations": activation_bytes(cfg),
            "workspace": WORKSPACE + CUDA_CONTEXT}
@@ -530,7 +549,7 @@ def plan_megatron_cpu_offload(cfg: Config, hw: Machine, gpus_per_node: int = 1, 
 def plan_zero3_offload(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int = 1) -> SystemPlan:
     """ZeRO-3 with parameter and optimizer offload to CPU: 16-bit weights and fp32 grads, master and
     moments on the host, weights fetched over PCIe for every forward and backward, the CPU update after
-    backward, not overlapped."""
+    backward, not overlapped. (Assumed from DeepSpeed's design: no constant here is fitted to a run.)"""
     world, dp = _world(cfg, gpus_per_node, nodes)
     n = sum(p.numel for p in rank_params(cfg, 0))
     shard = -(-n // dp)
