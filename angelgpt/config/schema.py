@@ -350,10 +350,23 @@ class CheckpointConfig:
     """Keep only the newest N checkpoints under save; None keeps all."""
     multi_slice: bool = True
     """Write checkpoints tensor by tensor (GPU tensors pass through host memory one at a time, host
-    and NVMe states are written from where they live) so a save never holds a second copy of the model
-    in host memory; false uses Megatron's torch_dist saver on GPU, which first copies every tensor of
-    the rank into host memory. Applies to every optimizer; on CPU saves always stream. Also accepted as
+    and NVMe states are written from where they live) so a synchronous save never holds a second copy
+    of the model in host memory; false first copies every tensor the rank writes into host memory, as
+    Megatron's torch_dist saver does, then writes the copies (where host memory cannot hold them the
+    save streams, saying so in one line). Applies to every optimizer. Also accepted as
     zero_cache.save_large_model_multi_slice, its earlier name."""
+    async_save: bool = False
+    """Write checkpoints in the background (Megatron's --async-save): at a save each rank copies the
+    tensors it writes into host memory (training waits for that copy only), training goes on while a
+    thread writes the copies into iter_N.tmp, and at a later iteration boundary, once every rank has
+    written, the save is finalized (manifest, rename, tracker); one save in flight, a second waits for
+    the first. The copy costs host memory until the write ends: what the rank writes, its shard of the
+    optimizer states (fp32 master and two moments: 12 bytes per parameter / (TP x PP x DP) with ZeRO-Cache
+    or Megatron's distributed optimizer) plus the bf16 weights it is the main replica of (at most 2 bytes
+    per parameter / (TP x PP)). A rank whose available host memory (the node's, shared by its
+    ranks, less 10%) cannot hold the copy writes synchronously, saying so in one line. The run's last
+    save (end, exit_interval, signal, abort) is written synchronously. Off by default, as in Megatron:
+    with ZeRO-Cache the copy doubles the host memory the states take."""
 
     def __post_init__(self):
         _require(self.save_interval is None or self.save_interval > 0,

@@ -3,6 +3,11 @@
 Layout (Megatron's): ``SAVE/iter_0000020/`` holds one checkpoint, ``SAVE/latest_checkpointed_iteration.txt``
 names the newest. A save goes to ``iter_N.tmp`` first and is renamed into place after every rank
 has written, then the tracker file is replaced, so a crash mid-save leaves the previous one loadable.
+With checkpoint.async_save the tensors are copied into host memory at the save and written by a
+background thread while training goes on; a later iteration boundary, once every rank has written,
+finalizes the save (manifest, rename, tracker), as Megatron's ``maybe_finalize_async_save`` does.
+
+Owns: the checkpoint layout, the save in flight (`Saver`), manifests, verified loads.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import json
 import os
 import random
 import shutil
+import time
 import zlib
 from dataclasses import replace
 from pathlib import Path
@@ -23,35 +29,12 @@ from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
 from angelgpt.config import ConfigError
+from angelgpt.parallel.log import get_logger
+from angelgpt.train.checkpoint_writer import GIB, PlanningStrategy, host_memory_available
+
+log = get_logger(__name__)
 
 TRACKER = "latest_checkpointed_iteration.txt"
-
-
-def _save_strategy(multi_slice: bool):
-    """Megatron's torch_dist format, written tensor by tensor with PyTorch DCP's file writer and
-    Megatron's planner: GPU tensors go to host memory one at a time and host tensors are written
-    from where they are, so a save never holds a second copy of the model in host memory. Megatron's
-    own torch_dist saver (multi_slice false, GPU only: its writer calls CUDA) first copies every tensor
-    of the rank into host memory, and clones host tensors that are views. Megatron's loader reads both."""
-    if torch.cuda.is_available() and not multi_slice:
-        return None
-    from megatron.core.dist_checkpointing.strategies.torch import (
-        MCoreSavePlanner,
-        TorchDistSaveShardedStrategy,
-        _replace_state_dict_keys_with_sharded_keys,
-        mcore_to_pyt_state_dict,
-    )
-    from torch.distributed.checkpoint import FileSystemWriter
-    from torch.distributed.checkpoint import save as dcp_save
-
-    class StreamingSaveStrategy(TorchDistSaveShardedStrategy):
-        def save(self, sharded_state_dict, checkpoint_dir):
-            state, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
-            dcp_save(mcore_to_pyt_state_dict(state, False), storage_writer=FileSystemWriter(str(checkpoint_dir)),
-                     planner=MCoreSavePlanner(dedup_replicated_tensors=not self.keep_only_main_replica,
-                                              flatten_state_dict=False))
-
-    return StreamingSaveStrategy("torch_dist", 1)
 
 
 def _iter_dir(root: Path, iteration: int) -> Path:
@@ -145,11 +128,14 @@ def _crc32(path: Path) -> int:
     return crc
 
 
-def _write_manifest(tmp: Path, iteration: int, config: dict) -> None:
+def _write_manifest(tmp: Path, iteration: int, config: dict, written: dict) -> None:
+    """Sizes and CRC32s of every file: the data files' as the writer computed them while writing them
+    (`written`: name -> (size, crc32)), the few small metadata files' read back."""
     files = {}
     for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
         _fsync(f)
-        files[str(f.relative_to(tmp))] = {"size": f.stat().st_size, "crc32": _crc32(f)}
+        size, crc = written.get(f.name) if f.parent == tmp and f.name in written else (f.stat().st_size, _crc32(f))
+        files[str(f.relative_to(tmp))] = {"size": size, "crc32": crc}
     manifest = tmp / MANIFEST
     manifest.write_text(json.dumps({"iteration": iteration, "files": files, "config": config}, indent=1))
     _fsync(manifest)
@@ -176,37 +162,128 @@ def verify(path: Path) -> Optional[str]:
     return None
 
 
-def save(root: str, iteration: int, consumed: int, model, optimizer, scheduler, config: dict,
-         keep: Optional[int] = None, multi_slice: bool = True) -> Path:
-    """Writes iter_N.tmp, fsyncs it, writes its manifest, renames it into place, then moves the tracker;
-    a process killed at any point leaves the previous checkpoint and tracker intact."""
-    root_path = Path(root)
-    final = _iter_dir(root_path, iteration)
-    tmp = final.with_name(final.name + ".tmp")
-    if dist.get_rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    dist.barrier()
-    with optimizer.materialized():
-        dist_checkpointing.save(_state(model, optimizer, scheduler, iteration, consumed, loading=False), str(tmp),
-                                sharded_strategy=_save_strategy(multi_slice))
-    dist.barrier()
-    if dist.get_rank() == 0:
-        _write_manifest(tmp, iteration, config)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        _fsync(root_path)
-        tracker_tmp = root_path / (TRACKER + ".tmp")
-        tracker_tmp.write_text(f"{iteration}\n")
-        _fsync(tracker_tmp)
-        os.replace(tracker_tmp, root_path / TRACKER)
-        _fsync(root_path)
-        if keep:
-            done = sorted(p for p in root_path.glob("iter_???????") if p.is_dir())
-            for old in done[:-keep]:
-                shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
-    return final
+def _all_ranks(value: bool, device) -> bool:
+    flag = torch.tensor([1.0 if value else 0.0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+class Saver:
+    """Saves checkpoints under `root`, at most one in flight. save() writes iter_N.tmp (or, asynchronous,
+    stages what this rank writes into host memory and starts a writer thread); finalize() then, on
+    every rank together, finishes the write, writes the manifest, renames iter_N.tmp into place and
+    moves the tracker. A process killed at any point leaves the previous checkpoint and tracker intact.
+
+    `events` collects, per save, the seconds the training loop was blocked (stall_s: waiting for the
+    previous save, planning, staging, and for a synchronous save the write and finalize), and once
+    finalized the write's seconds (write_s, slowest rank) and the finalize's (finalize_s)."""
+
+    def __init__(self, root: str, config: dict, keep: Optional[int], multi_slice: bool, device):
+        self.root, self.config, self.keep, self.multi_slice = Path(root), config, keep, multi_slice
+        self.device = device
+        self.pending = None  # (iteration, tmp, job, event) of the save in flight
+        self.events = []
+        self._told = False
+
+    def save(self, iteration: int, consumed: int, model, optimizer, scheduler, asynchronous: bool) -> None:
+        started = time.perf_counter()
+        self.finalize(blocking=True)  # one save in flight: a second waits for the first
+        final = _iter_dir(self.root, iteration)
+        tmp = final.with_name(final.name + ".tmp")
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        dist.barrier()
+        strategy = PlanningStrategy()
+        with optimizer.materialized():
+            dist_checkpointing.save(_state(model, optimizer, scheduler, iteration, consumed, loading=False),
+                                    str(tmp), sharded_strategy=strategy)
+            job = strategy.job
+            staged = (asynchronous or not self.multi_slice) and self._room_for(job.staging_bytes(), asynchronous)
+            if staged:
+                job.stage()  # the states as of this iteration: the next step updates them in place
+            if not (staged and asynchronous):
+                job.write()
+        event = {"save_iteration": iteration, "async": int(staged and asynchronous),
+                 "staged_gib": job.staged_bytes / GIB}
+        self.pending = (iteration, tmp, job, event)
+        if not asynchronous:
+            self._finalize()
+        elif staged:
+            job.start()
+        # (an asynchronous save a rank wrote synchronously is finalized with the others' all the same)
+        event["stall_s"] = time.perf_counter() - started
+        self.events.append(event)
+
+    def _room_for(self, nbytes: int, asynchronous: bool) -> bool:
+        """Whether this rank's host memory holds a staged copy of nbytes; else the save is written from
+        where the tensors live, synchronously, and the rank says so once."""
+        room = host_memory_available()
+        if nbytes <= room:
+            return True
+        if not self._told:
+            self._told = True
+            what = "checkpoint.async_save" if asynchronous else "checkpoint.multi_slice=false"
+            log.warning(f"rank {dist.get_rank()}: {what} needs a host-memory copy of {nbytes / GIB:.2f} GiB but "
+                        f"{room / GIB:.2f} GiB is available to this rank: its checkpoints are written "
+                        f"synchronously, tensor by tensor")
+        return False
+
+    def finalize(self, blocking: bool) -> None:
+        """Finalizes the save in flight; not blocking, only once every rank's write is done (a collective:
+        every rank calls it at the same iteration boundaries)."""
+        if self.pending is None:
+            return
+        if not blocking and not _all_ranks(self.pending[2].done(), self.device):
+            return
+        self._finalize()
+
+    def _finalize(self) -> None:
+        iteration, tmp, job, event = self.pending
+        self.pending = None
+        started = time.perf_counter()
+        written = job.finish()
+        final = _iter_dir(self.root, iteration)
+        if dist.get_rank() == 0:
+            _write_manifest(tmp, iteration, self.config, written)
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            _fsync(self.root)
+            tracker_tmp = self.root / (TRACKER + ".tmp")
+            tracker_tmp.write_text(f"{iteration}\n")
+            _fsync(tracker_tmp)
+            os.replace(tracker_tmp, self.root / TRACKER)
+            _fsync(self.root)
+            if self.keep:
+                done = sorted(p for p in self.root.glob("iter_???????") if p.is_dir())
+                for old in done[:-self.keep]:
+                    shutil.rmtree(old, ignore_errors=True)
+        slowest = torch.tensor([job.write_s], device=self.device)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        done = {"save_iteration": iteration, "write_s": float(slowest.item()),
+                "finalize_s": time.perf_counter() - started}
+        self.events.append(done)
+        if event["async"]:
+            log.info(f"checkpoint of iteration {iteration} written in the background in {done['write_s']:.2f} s "
+                     f"(finalized in {done['finalize_s']:.2f} s)")
+
+    def abandon(self) -> None:
+        """After an error: waits for this rank's write to end and leaves the save unfinalized (iter_N.tmp
+        is never renamed: the other ranks may not be there to finalize it)."""
+        if self.pending is not None:
+            self.pending[2].join()
+            self.pending = None
+
+    def take_events(self) -> Optional[dict]:
+        """The events since the last call merged into one record (seconds summed), or None."""
+        events, self.events = self.events, []
+        if not events:
+            return None
+        merged = {}
+        for e in events:
+            for k, v in e.items():
+                merged[k] = max(merged.get(k, v), v) if k in ("save_iteration", "async") else merged.get(k, 0.0) + v
+        return merged
 
 
 def _saved_layout(path: Path) -> Optional[Tuple[int, int]]:

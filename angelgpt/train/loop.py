@@ -142,6 +142,7 @@ class Trainer:
         # neither skips nor aborts on them, and records each iteration's times (device synchronized)
         self.rehearsal = parallel.rehearsal() is not None
         self.records: List[dict] = []
+        self.saver = None  # checkpoint.Saver of checkpoint.save, made by train()
 
     def _clock(self) -> float:
         """Now; in a rehearsal on GPU after the device has finished what is queued."""
@@ -186,12 +187,17 @@ class Trainer:
             log.info(self.optimizer.profile_line(), extra=EVERY_RANK)
         return {"zero_cache_profile": record}
 
-    def save(self) -> None:
-        from angelgpt.config import to_dict
+    def save(self, last: bool) -> None:
+        """A checkpoint of this iteration; with checkpoint.async_save written in the background, except the
+        run's last one (nothing trains on while it is written)."""
+        self.saver.save(self.iteration, self.consumed, self.model, self.optimizer, self.scheduler,
+                        asynchronous=self.cfg.checkpoint.async_save and not last)
 
-        ck = self.cfg.checkpoint
-        checkpoint.save(ck.save, self.iteration, self.consumed, self.model, self.optimizer, self.scheduler,
-                        to_dict(self.cfg), ck.keep, ck.multi_slice)
+    def _save_record(self) -> dict:
+        """The checkpoint saves' times since the last record (stall_s: the loop blocked; write_s and
+        finalize_s of the saves finalized since), for the metrics."""
+        merged = self.saver.take_events() if self.saver else None
+        return {"checkpoint": merged} if merged else {}
 
     def train(self) -> float:
         cfg = self.cfg
@@ -204,9 +210,39 @@ class Trainer:
         it = micro_batches(self.train_ds, self.consumed, cfg.train.micro_batch_size,
                            parallel_state.get_data_parallel_rank(), self.dp, self.device)
         self.model.train()
+        if cfg.checkpoint.save:
+            from angelgpt.config import to_dict
+
+            self.saver = checkpoint.Saver(cfg.checkpoint.save, to_dict(cfg), cfg.checkpoint.keep,
+                                          cfg.checkpoint.multi_slice, self.device)
+        try:
+            loss, stop, aborting, in_a_row = self._iterations(it, profiling, flops, tokens_per_iter, world)
+            if self.saver:  # the last save is synchronous: nothing is left in flight, but be sure
+                self.saver.finalize(blocking=True)
+        except BaseException:
+            if self.saver:  # this rank's write ends; the save stays unfinalized (iter_N.tmp)
+                self.saver.abandon()
+            raise
+        profiling.close()
+        self.writer.close()
+        self.optimizer.close()
+        if aborting:
+            where = f"; the last good state is saved in {cfg.checkpoint.save}" if cfg.checkpoint.save else ""
+            raise TrainingAborted(f"{in_a_row} consecutive iterations had a non-finite loss or gradient norm "
+                                  f"(last at iteration {self.iteration}){where}")
+        if stop:
+            log.info(f"stopped by signal at iteration {self.iteration}"
+                         + (f", checkpoint saved in {cfg.checkpoint.save}" if cfg.checkpoint.save else ""))
+        return loss
+
+    def _iterations(self, it, profiling, flops, tokens_per_iter, world):
+        """Trains until the last iteration, a stop signal or too many skips: (last loss, stopped by a
+        signal, aborting, non-finite iterations in a row)."""
+        cfg = self.cfg
         loss = float("nan")
         window_start, window_iters = time.perf_counter(), 0
         last = self.iteration >= cfg.train.train_iters
+        stop = aborting = False
         in_a_row = 0
         while not last:
             profiling.begin(self.iteration + 1)
@@ -241,6 +277,8 @@ class Trainer:
             self.consumed += cfg.train.global_batch_size
             window_iters += 1
             stop = stop_requested(self.device)
+            if self.saver:  # a background save whose write every rank has finished is made visible
+                self.saver.finalize(blocking=False)
             aborting = in_a_row >= cfg.train.max_consecutive_skips and not self.rehearsal
             last = stop or aborting or self.iteration == cfg.train.train_iters or bool(
                 cfg.train.exit_interval and self.iteration % cfg.train.exit_interval == 0)
@@ -267,23 +305,14 @@ class Trainer:
                     "mem_host_gib": host_memory_gib(),
                     "consumed_samples": self.consumed,
                     **self._optimizer_profile(),
+                    **self._save_record(),
                 }, cfg.train.train_iters, self.consumed, self.skipped)
                 window_start, window_iters = time.perf_counter(), 0
             if cfg.checkpoint.save and (last or (cfg.checkpoint.save_interval
                                                  and self.iteration % cfg.checkpoint.save_interval == 0)):
                 PHASE["now"] = f"iteration {self.iteration}: checkpoint save"
-                self.save()
+                self.save(last)
                 window_start, window_iters = time.perf_counter(), 0
             if profiling.end(self.iteration):  # writing a trace or snapshot is not an iteration's time
                 window_start, window_iters = time.perf_counter(), 0
-        profiling.close()
-        self.writer.close()
-        self.optimizer.close()
-        if aborting:
-            where = f"; the last good state is saved in {cfg.checkpoint.save}" if cfg.checkpoint.save else ""
-            raise TrainingAborted(f"{in_a_row} consecutive iterations had a non-finite loss or gradient norm "
-                                  f"(last at iteration {self.iteration}){where}")
-        if stop:
-            log.info(f"stopped by signal at iteration {self.iteration}"
-                         + (f", checkpoint saved in {cfg.checkpoint.save}" if cfg.checkpoint.save else ""))
-        return loss
+        return loss, stop, aborting, in_a_row
