@@ -43,7 +43,9 @@ class CheckpointState:
         """Per owned parameter: fp32 master, exp_avg, exp_avg_sq as ShardedTensors shaped like the
         parameter, so a checkpoint loads into any placement (rate, tiers) and any ownership. The tensors
         are views of the states in their tiers (saved from there, and loaded into them in place): no
-        tier is copied whole into host memory."""
+        tier is copied whole into host memory. The next step updates them in place: an asynchronous
+        save (checkpoint.async_save) copies what it writes into host memory before returning to
+        training (angelgpt/train/checkpoint_writer.py), a synchronous one has written them by then."""
 
         from megatron.core.dist_checkpointing.optimizer import (
             get_param_id_to_sharded_param_map,

@@ -19,11 +19,15 @@ def test_tiny_trains_on_gpu(tmp_path):
     assert records[-1]["mem_gpu_gib"] > 0
 
 
-@pytest.mark.parametrize("multi_slice", [True, False], ids=["streamed-save", "megatron-save"])
-def test_zero_cache_checkpoint_resumes_on_gpu(tmp_path, multi_slice):
+@pytest.mark.parametrize("save", [["zero_cache.save_large_model_multi_slice=true"],
+                                  ["zero_cache.save_large_model_multi_slice=false"],
+                                  ["checkpoint.async_save=true", "checkpoint.save_interval=5"]],
+                         ids=["streamed-save", "staged-save", "async-save"])
+def test_zero_cache_checkpoint_resumes_on_gpu(tmp_path, save):
     """Saved with states on the GPU, in pinned host memory and in NVMe files (streamed tensor by tensor,
-    or staged by Megatron's saver), resumed with every state on the GPU: the run continues as if it had
-    not stopped (bf16 tolerance)."""
+    staged into host memory first, or staged and written in the background while iterations 6-7 run, the
+    run resuming from that background-written checkpoint of iteration 5), resumed with every state on the
+    GPU: the run continues as if it had not stopped (bf16 tolerance)."""
     from tests.helpers import read_metrics, run_cli
 
     def train(name, *overrides):
@@ -37,10 +41,14 @@ def test_zero_cache_checkpoint_resumes_on_gpu(tmp_path, multi_slice):
               "zero_cache.host_max_gib=0.0018"]
     full = train("full", *spread)
     ck = tmp_path / "ck"
-    train("first", *spread, "train.exit_interval=10", f"checkpoint.save={ck}",
-          f"zero_cache.save_large_model_multi_slice={str(multi_slice).lower()}")
+    first = train("first", *spread, "train.exit_interval=10", f"checkpoint.save={ck}", *save)
+    start = 10
+    if "checkpoint.async_save=true" in save:  # resume from the one written in the background
+        assert first[5]["checkpoint"]["async"] == 1 and first[5]["checkpoint"]["stall_s"] > 0, first[5]
+        start = 5
+        (ck / "latest_checkpointed_iteration.txt").write_text("5\n")
     resumed = train("resumed", "zero_cache.prefetch_cache_sub_group_rate=1.0", f"checkpoint.load={ck}")
-    assert resumed[0]["iteration"] == 11
+    assert resumed[0]["iteration"] == start + 1
     by_iter = {r["iteration"]: r["lm_loss"] for r in full}
     for r in resumed:
         assert abs(r["lm_loss"] - by_iter[r["iteration"]]) <= 1e-2 * abs(by_iter[r["iteration"]]), r
