@@ -13,6 +13,12 @@ from __future__ import annotations
 import re
 import statistics
 
+# key: (pattern in the run's settings lines, the prediction's field otherwise, the type)
+SETTLED = {"rate": (r"^zero_cache: prefetch_cache_sub_group_rate ([\d.]+)", "predicted.rate", 0.0),
+           "device_update_fraction": (r"^zero_cache: .*device_update_fraction ([\d.]+)\)",
+                                      "predicted.device_update_fraction", 0.0),
+           "planned_step_s": (r"^plan: .*predicted ([\d.]+) s per step", "predicted.step_time_s", 0.0),
+           "recomputed": (r"^model.recompute auto: full, the first (\d+) layers", None, 0)}
 ALIASES = {"tflops": "tflops_per_gpu_median", "gpu": "peak_gpu_gib", "host": "peak_host_gib",
            "reserved": "peak_gpu_reserved_gib", "step_ms": "elapsed_ms_median"}
 
@@ -21,7 +27,9 @@ def value(r: dict, key: str):
     """One figure of a result file: a field (dotted for nested ones; aliases above), `arg:KEY` (the
     last value the command gave KEY), `profile.KEY` (median after warm-up of ZeRO-Cache's per-step
     profile), `log:REGEX` (its first group in the log's tail), `refused:gpu`/`refused:host` (what the
-    planner found short), `recomputed` (how many layers the planner's recompute choice recomputes)."""
+    planner found short), `rate`, `device_update_fraction`, `planned_step_s` and `recomputed` (how many
+    layers recompute) as the run settled them, or as the planner predicted them in files that predate
+    `settings`."""
     if key.startswith("arg:"):
         found = re.findall(rf"(?:^| ){re.escape(key[4:])}=(\S+)", r.get("command", ""))
         if not found:
@@ -35,8 +43,13 @@ def value(r: dict, key: str):
         return float(re.search(key[4:], r.get("log_tail", "")).group(1))
     if key.startswith("refused:"):
         return float(re.search(rf"{key[8:]} by ([\d.]+) GiB", r["refused"]).group(1))
-    if key == "recomputed":
-        return int(re.search(r"first (\d+) layers", r["predicted"]["recompute"]).group(1))
+    if key in SETTLED:  # what the run settled (its `settings` lines) where recorded, else the planner's
+        for line in r.get("settings", []):
+            found = re.search(SETTLED[key][0], line)
+            if found:
+                return type(SETTLED[key][2])(found.group(1))
+        return value(r, SETTLED[key][1]) if key != "recomputed" else \
+            int(re.search(r"first (\d+) layers", r["predicted"]["recompute"]).group(1))
     out = r
     for part in ALIASES.get(key, key).split("."):
         out = out[part]
@@ -56,7 +69,11 @@ class Figures:
         return self.cases[case][-1]
 
     def __call__(self, case: str, key: str, form: str = "{:.1f}") -> str:
-        return form.format(value(self.run(case)[1], key))
+        path, r = self.run(case)
+        try:
+            return form.format(value(r, key))
+        except (LookupError, AttributeError, TypeError, ValueError, statistics.StatisticsError):
+            raise KeyError(f"{key} in {path.name}") from None
 
     def layers(self, case: str) -> str:
         return self(case, "arg:model.num_layers", "{}")
@@ -147,15 +164,15 @@ def zero_cache_11(f) -> str:
             "parameters. While every released gradient was also held by the transfer stream, higher rates "
             f"made the caching allocator retry allocations every step: {f(R78, 'tflops')} TFLOP/s at rate "
             f"{f(R78, RATE, '{}')} with {f(R78, 'reserved')} GiB reserved {f.cite(R78)}, "
-            f"{f(R81, 'tflops')} at the planner's {f(R81, 'predicted.rate', '{}')} with {f(R81, 'reserved')} GiB "
+            f"{f(R81, 'tflops')} at the planner's {f(R81, 'rate', '{}')} with {f(R81, 'reserved')} GiB "
             "reserved "
             f"{f.cite(R81)}. With a gradient held only by the stream that reads it, rate "
             f"{f(R79, RATE, '{}')} made {f(R79, 'tflops')} with {f(R79, 'reserved')} GiB reserved "
             f"{f.cite(R79)}. With each host chunk's running sum brought up to its device slot while the layer's "
             f"backward runs and device_update_fraction {f(DEV, 'arg:zero_cache.device_update_fraction', '{}')} "
-            f"it made {f(DEV, 'tflops')} {f.cite(DEV)}; with the planner's placement and split (planned rate "
-            f"{f(AUTO, 'predicted.rate', '{}')}, device_update_fraction "
-            f"{f(AUTO, 'predicted.device_update_fraction', '{}')}) {f(AUTO, 'tflops')}, the CPU's share of the "
+            f"it made {f(DEV, 'tflops')} {f.cite(DEV)}; with the planner's placement and split (rate "
+            f"{f(AUTO, 'rate', '{}')}, device_update_fraction "
+            f"{f(AUTO, 'device_update_fraction', '{}')}) {f(AUTO, 'tflops')}, the CPU's share of the "
             f"host update taking {f(AUTO, 'profile.update_thread_ms', '{:.0f}')} ms a step, the GPU's "
             f"{f(AUTO, 'profile.device_update_thread_ms', '{:.0f}')} ms, and the step waiting "
             f"{f(AUTO, 'profile.exposed_wait_update_ms', '{:.0f}')} ms for them {f.cite(AUTO)}.")
@@ -166,26 +183,38 @@ def zero_cache_19(f) -> str:
                                                      "-recomputeauto-split0.56", "-recomputeauto-split0.61"))
     FULL, PLAIN = ZC19.format("-recomputefull"), ZC19.format("")
     return (f"(d) at {f.layers(AUTO)} layers and global batch {f(AUTO, 'arg:train.global_batch_size', '{}')}: "
-            "the activations fit only with recompute, and the micro "
-            "batches' gradients accumulate in the store (`zero_cache.accumulate_in_store`), each host chunk's "
-            "running sum going up to a device slot, getting the new gradients added and coming back down. With "
+            "the activations fit only with recompute"
+            + (", and the micro batches' gradients accumulate in the store (`zero_cache.accumulate_in_store`), "
+               "each host chunk's running sum going up to a device slot, getting the new gradients added and "
+               "coming back down" if in_store(f.run(AUTO)[1]) else "")
+            + ". With "
             f"`model.recompute=auto` the planner recomputes the first {f(AUTO, 'recomputed', '{}')} of "
             f"{f.layers(AUTO)} layers (Megatron's `block` recompute) and pays for the others' activations with "
-            f"states moved to the host: at the planned rate {f(AUTO, 'predicted.rate', '{}')} and "
-            f"device_update_fraction {f(AUTO, 'predicted.device_update_fraction', '{}')} it made "
+            f"states moved to the host: at rate {f(AUTO, 'rate', '{}')} and "
+            f"device_update_fraction {f(AUTO, 'device_update_fraction', '{}')} it made "
             f"{f(AUTO, 'tflops')} TFLOP/s, a "
             f"{f(AUTO, 'step_ms', '{:.0f}')} ms step (the planner expected "
-            f"{f(AUTO, 'predicted.step_time_s', '{:.2f}')} s) of which "
+            f"{f(AUTO, 'planned_step_s', '{:.2f}')} s) of which "
             f"{f(AUTO, 'profile.exposed_wait_update_ms', '{:.0f}')} ms waiting for the host update, the CPU's "
             f"share taking {f(AUTO, 'profile.update_thread_ms', '{:.0f}')} ms and the GPU's "
             f"{f(AUTO, 'profile.device_update_thread_ms', '{:.0f}')} ms {f.cite(AUTO)}. At commit "
             f"{f(DEV, 'commit', '{:.7}')}, device_update_fraction "
             f"{f(DEV, 'arg:zero_cache.device_update_fraction', '{}')} made {f(DEV, 'tflops')} {f.cite(DEV)} and "
-            f"the planner's split then, {f(S56, 'predicted.device_update_fraction', '{}')}, "
+            f"the planner's split then, {f(S56, 'device_update_fraction', '{}')}, "
             f"{f(S56, 'tflops')} {f.cite(S56)}. Before, with the one-pass CPU AdamW and device_update_fraction "
-            f"{f(S61, 'predicted.device_update_fraction', '{}')}: {f(S61, 'tflops')} {f.cite(S61)}; recomputing "
+            f"{f(S61, 'device_update_fraction', '{}')}: {f(S61, 'tflops')} {f.cite(S61)}; recomputing "
             f"every layer: {f(FULL, 'tflops')} {f.cite(FULL)}; before `recompute=auto` and the one-pass CPU "
             f"AdamW: {f(PLAIN, 'tflops')} {f.cite(PLAIN)}.")
+
+
+def in_store(r: dict) -> bool:
+    """Whether a run accumulated its micro batches' gradients in ZeRO-Cache's store, as it settled it
+    or, in files that predate `settings`, as given or planned."""
+    said = [line for line in r.get("settings", []) if "accumulate_in_store" in line]
+    if said:
+        return "accumulate_in_store=true" in said[-1] or "accumulate_in_store True" in said[-1]
+    return "zero_cache.accumulate_in_store=true" in r.get("command", "") or \
+        (r.get("predicted") or {}).get("accumulate_in_store") is True
 
 
 def largest(f) -> str:
@@ -228,7 +257,7 @@ def hardware_queues(f) -> str:
 def nvme(f) -> str:
     N = "peers-zero_cache_nvme-L24-mb2-gb2"
     return (f"(e) ZeRO-Cache with the NVMe tier (`zero_cache.nvme_path` on the machine's local disk): "
-            f"{f.layers(N)} layers at rate {f(N, 'predicted.rate', '{:.2f}')} (`auto`) completed "
+            f"{f.layers(N)} layers at rate {f(N, 'rate', '{:.2f}')} (`auto`) completed "
             f"{f(N, 'arg:train.train_iters', '{}')} steps at global batch {f(N, 'arg:train.global_batch_size', '{}')}, "
             f"{f(N, 'host')} GiB host and {f(N, 'gpu')} GiB GPU at peak, a {f(N, 'step_ms', '{:.0f}')} ms step "
             f"and {f(N, 'tflops')} TFLOP/s. The step is the NVMe tier's: "

@@ -87,7 +87,9 @@ def run(args) -> int:
             continue
         cmd = [sys.executable, str(ROOT / "scripts" / "bench_train.py"), "--runner", runner, "--name", name,
                "--size", "h200-16b",
-               "--iters", str(args.iters), "--warmup", str(args.warmup), "--out", str(RESULTS), "--",
+               "--iters", str(args.iters), "--warmup", str(args.warmup), "--out", str(RESULTS),
+               "--root", str(Path(args.root).resolve()),
+               "--",
                f"model.num_layers={layers}", f"train.micro_batch_size={mb}", f"train.global_batch_size={gb}",
                "optim.lr_warmup_iters=1", *SYSTEMS[system], *case_extra, *args.extra]
         print("case:", " ".join(cmd[2:]), flush=True)
@@ -104,6 +106,8 @@ def main() -> int:
     r.add_argument("--warmup", type=int, default=3)
     r.add_argument("--force", action="store_true", help="run again even when the result file exists")
     r.add_argument("--extra", nargs="*", default=[], help="more KEY=VALUE overrides for every case")
+    r.add_argument("--root", default=str(ROOT),
+                   help="the angelgpt tree to train (a `git archive` of a commit, its sha in TREE/.commit)")
     rep = sub.add_parser("report", help="BENCHMARKS.md and benchmarks/peers.png from the result files")
     rep.add_argument("--results", default=str(RESULTS), help="the result files' directory")
     rep.add_argument("--out-dir", default=str(ROOT), help="where BENCHMARKS.md (and benchmarks/peers.png) go")

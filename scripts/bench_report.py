@@ -203,7 +203,7 @@ def notes(cases) -> list:
         try:
             out.append("- " + note(fig))
         except KeyError as exc:
-            print(f"bench_report: note '{note.__name__}' left out: no result file for {exc}", file=sys.stderr)
+            print(f"bench_report: note '{note.__name__}' left out: no {exc.args[0]}", file=sys.stderr)
     return out
 
 
@@ -237,7 +237,7 @@ def generate(results: Path):
     order = lambda r: (r["system"], r["layers"], r["gb"])  # noqa: E731
     lines += [run_line(r) for r in sorted(rows, key=order)]
     if earlier:
-        lines += ["", "### Earlier runs of a case", "", head[:-1] + " newest run |",
+        lines += ["", "### Earlier runs of a case", "", head + " newest run |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         lines += [run_line(r, f" `{newest}` |") for r, newest in sorted(earlier, key=lambda e: order(e[0]))]
     lines += ["", "## Largest model that completes 3 optimizer steps", "",
