@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# How long a checkpoint save stalls training, with checkpoint.async_save false and then true, on one GPU:
+#   source scripts/device_wheels.sh; bash scripts/bench_save_stall.sh
+# The 55 shape (h200-16b preset) with ZeRO-Cache and model.recompute=auto, micro batch 2, global batch
+# 32, as scripts/bench_peers.py runs its zero_cache case, but not at its 19 layers: a checkpoint holds
+# 14 bytes per parameter (bf16 weights, fp32 master and two moments), 205 GiB at 19 layers (15.7B
+# parameters), and the GPU machine's disk is 64 GiB. A run has its mid-run checkpoint and its final one
+# on disk at once, so LAYERS defaults to the most layers whose two checkpoints take at most 80% of the
+# free disk under SAVE_DIR (each layer 0.81B parameters, 10.5 GiB; 1 layer 16.1 GiB, 2 layers 26.6 GiB,
+# 3 layers 37.1 GiB). Each run trains ITERS (6) iterations with a save at SAVE_AT (3): a synchronous
+# write, or one written in the background while iterations SAVE_AT+1.. run; the run's last save is
+# synchronous in both. One result file per run, scripts/bench_train.py's (command, commit, machine,
+# per-iteration records) with a `save` section: stall_s (the loop blocked by the save at SAVE_AT),
+# write_s and finalize_s (when finalized before the run's end), the step times before and after it, the
+# checkpoint's size. Files: benchmarks/results/save-stall-L<LAYERS>-{sync,async}.json, copied into $OUT
+# when set (RESULTS names another folder). About 2 x (model build 30-60 s + 6 steps + two checkpoint writes) of wall time. SIZE and
+# EXTRA (more KEY=VALUE overrides) let it run elsewhere, e.g. on CPU:
+#   SIZE=tiny LAYERS=2 EXTRA="train.device=cpu" bash scripts/bench_save_stall.sh
+set -u
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
+SIZE=${SIZE:-h200-16b}
+RESULTS=${RESULTS:-benchmarks/results}
+ITERS=${ITERS:-6}
+SAVE_AT=${SAVE_AT:-3}
+SAVE_DIR=${SAVE_DIR:-$PWD/.bench_save_stall}
+mkdir -p "$SAVE_DIR"
+rm -rf "${SAVE_DIR:?}"/*
+if [ -z "${LAYERS:-}" ]; then
+  LAYERS=$(python3 - "$SAVE_DIR" "$SIZE" <<'EOF'
+import shutil, sys
+from angelgpt.config import resolve
+from angelgpt.model.flops import num_params
+free = shutil.disk_usage(sys.argv[1]).free
+fits = [L for L in range(1, 20)
+        if 2 * 14 * num_params(resolve(sys.argv[2], overrides=[f"model.num_layers={L}"])) <= 0.8 * free]
+print(fits[-1] if fits else 0)
+EOF
+)
+fi
+if [ "${LAYERS:-0}" -lt 1 ]; then
+  echo "bench_save_stall.sh: no layer count's two checkpoints fit in 80% of the free disk under $SAVE_DIR" >&2
+  exit 2
+fi
+FREE_GIB=$(python3 -c "import shutil,sys; print(round(shutil.disk_usage(sys.argv[1]).free / 2**30, 1))" "$SAVE_DIR")
+echo "bench_save_stall: $LAYERS layers, $FREE_GIB GiB free under $SAVE_DIR"
+status=0
+for mode in sync async; do
+  async=false; [ "$mode" = async ] && async=true
+  line=$(python3 scripts/bench_train.py --name "save-stall-L$LAYERS-$mode" --size "$SIZE" --iters "$ITERS" \
+    --warmup 1 --out "$RESULTS" -- model.num_layers="$LAYERS" train.micro_batch_size=2 train.global_batch_size=32 \
+    optim.lr_warmup_iters=1 optim.optimizer=zero_cache zero_cache.prefetch_cache_sub_group_rate=auto \
+    model.recompute=auto checkpoint.save="$SAVE_DIR" checkpoint.save_interval="$SAVE_AT" \
+    checkpoint.async_save=$async ${EXTRA:-} 2>&1 | tee /dev/stderr | grep "^wrote " | tail -1)
+  result=${line#wrote }; result=${result%%: *}
+  if [ -z "$line" ] || [ ! -f "$result" ]; then
+    echo "bench_save_stall.sh: the $mode run wrote no result file" >&2
+    status=1
+    continue
+  fi
+  ck_gib=$(du -sb "$SAVE_DIR/iter_$(printf %07d "$SAVE_AT")" 2>/dev/null | awk '{printf "%.2f", $1 / 2^30}')
+  python3 - "$result" "$SAVE_AT" "${ck_gib:-0}" "$FREE_GIB" "$SAVE_DIR" <<'EOF'
+import json, statistics, sys
+path, save_at, ck_gib, free_gib, save_dir = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4]), sys.argv[5]
+r = json.load(open(path))
+recs = {x["iteration"]: x for x in r["records"]}
+events = [x["checkpoint"] for x in r["records"] if x.get("checkpoint", {}).get("save_iteration") == save_at]
+started = next((e for e in events if "stall_s" in e), {})
+finished = next((e for e in events if "write_s" in e), {})
+before = [recs[i]["elapsed_ms"] for i in recs if r["warmup_iters"] < i <= save_at]
+after = [recs[i]["elapsed_ms"] for i in sorted(recs) if i > save_at]
+r["save"] = {
+    "save_iteration": save_at, "async": started.get("async"), "stall_s": started.get("stall_s"),
+    "staged_gib": started.get("staged_gib"), "write_s": finished.get("write_s"),
+    "finalize_s": finished.get("finalize_s"),
+    "note": None if finished else "finalized by the run's last save (its times are not in the records)",
+    "step_ms_before_save_median": statistics.median(before) if before else None,
+    "step_ms_after_save": after, "checkpoint_gib": ck_gib, "disk_free_gib_before": free_gib, "save_dir": save_dir,
+}
+open(path, "w").write(json.dumps(r, indent=2) + "\n")
+print("save:", json.dumps(r["save"]))
+EOF
+  rm -rf "${SAVE_DIR:?}"/*
+  if [ -n "${OUT:-}" ]; then cp "$result" "$OUT/"; fi
+done
+rmdir "$SAVE_DIR" 2>/dev/null
+exit $status
