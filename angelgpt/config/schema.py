@@ -205,6 +205,16 @@ class OptimConfig:
     """Adam epsilon."""
     clip_grad: float = 1.0
     """Clip the global gradient norm (over all ranks) to this; 0 disables clipping."""
+    accumulate_grads_in_fp32: bool = True
+    """Add up the micro batches' gradients of a step in fp32 (Megatron's
+    --accumulate-allreduce-grads-in-fp32, DDP grad_reduce_in_fp32), for every optimizer: Megatron's
+    gradient buffer (main_grad) is fp32; ZeRO-Cache adds each micro batch's gradient into an fp32
+    main_grad per parameter on the GPU, or into fp32 gradient buffers and accumulation slots in the
+    store (zero_cache.accumulate_in_store), and its AdamW reads the fp32 sum. With one micro batch per
+    step nothing adds up, and ZeRO-Cache keeps its gradients in the model's dtype (its reduction over
+    DP is fp32 either way). false: gradients add up in the model's dtype (bf16 on GPU): half the
+    gradient bytes, but the rounding error grows with the number of micro batches. On CPU the model is
+    fp32 and both are the same."""
 
     def __post_init__(self):
         _require(self.optimizer in ("megatron", "megatron_cpu_offload", "zero_cache"),

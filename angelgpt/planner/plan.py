@@ -129,6 +129,13 @@ def accumulating(cfg: Config, dp: int) -> bool:
                                                 and cfg.zero_cache.accumulate_in_store is True)
 
 
+def grad_bytes(cfg: Config, dp: int, model_bytes: int = MODEL_BYTES) -> int:
+    """Bytes per element of the gradients that micro batches add up in (ZeRO-Cache's main grads, slots and
+    gradient buffers): 4 with optim.accumulate_grads_in_fp32 and several micro batches per step, else the
+    model's (with one micro batch nothing adds up)."""
+    return 4 if cfg.optim.accumulate_grads_in_fp32 and cfg.num_microbatches(dp) > 1 else model_bytes
+
+
 def beside_store_bytes(cfg: Config) -> int:
     """Device memory training needs beside ZeRO-Cache's store that the optimizer cannot count itself:
     the activations of a micro batch (as configured: recompute resolved) and the workspace. The optimizer
@@ -321,10 +328,11 @@ def device_update_fraction(cfg: Config, hw: Machine, gpus_per_node: int) -> floa
 
 
 def rank_tier_bytes(cfg: Config, dp: int, dp_rank: int, rate: float, host_limit: float, use_nvme: bool,
-                    grad_bytes: int = MODEL_BYTES, pp_rank: int = 0, fraction: float = 0.0):
+                    model_bytes: int = MODEL_BYTES, pp_rank: int = 0, fraction: float = 0.0):
     """Chunk sizes, tiers and bytes per tier of one rank's ZeRO-Cache store, as the optimizer places them,
     the sizes of the chunks whose weights are offloaded (held in pinned host memory, not on the GPU),
-    and per chunk whether the device updates it (`fraction` of the host chunks)."""
+    and per chunk whether the device updates it (`fraction` of the host chunks). model_bytes: the
+    weights' bytes per element (the gradients' follow from it, grad_bytes)."""
     params = rank_params(cfg, pp_rank)
     n_groups = len({p.sub_group for p in params})
     in_store = cfg.zero_cache.accumulate_in_store is True and cfg.num_microbatches(dp) > 1
@@ -332,8 +340,9 @@ def rank_tier_bytes(cfg: Config, dp: int, dp_rank: int, rate: float, host_limit:
     def placed(rank, allowed=None):
         chunks = chunk_numels(params, dp, rank)
         groups, numels = [g for g, _ in chunks], [n for _, n in chunks]
-        return (groups, numels, *place(groups, numels, n_groups, float(rate), host_limit, use_nvme, grad_bytes,
-                                       offload_params_on(cfg), in_store, allowed, fraction))
+        return (groups, numels, *place(groups, numels, n_groups, float(rate), host_limit, use_nvme,
+                                       grad_bytes(cfg, dp, model_bytes), offload_params_on(cfg), in_store, allowed,
+                                       fraction, weight_bytes=model_bytes))
 
     allowed = None
     if dp > 1:  # a layer is offloaded on every rank or on none, as the optimizer agrees over DP
@@ -372,8 +381,9 @@ def plan_zero_cache(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int
     resident = model_numel - sum(offloaded) * dp
     # as the optimizer reserves them: gradients accumulated over micro batches (every parameter's), else
     # only those between backward and offload; offloaded layers' weights in use, prefetched, freeing
-    reserve = [training_reserve(0, largest_layer, MODEL_BYTES, off, model_numel, accumulating(cfg, dp),
-                                _fetch_depth(cfg, largest_layer)) for off in (False, bool(offloaded))]
+    g = grad_bytes(cfg, dp)  # fp32 where micro batches add up in fp32
+    reserve = [training_reserve(0, largest_layer, g, off, model_numel, accumulating(cfg, dp),
+                                _fetch_depth(cfg, largest_layer), MODEL_BYTES) for off in (False, bool(offloaded))]
     gpu = {
         "weights": resident * MODEL_BYTES,
         "fetched_weights": reserve[1] - reserve[0],
@@ -397,7 +407,7 @@ def plan_zero_cache(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int
     host_numel = sum(n for n, t in zip(numels, tiers) if t == "host")
     nvme_numel = sum(n for n, t in zip(numels, tiers) if t == "nvme")
     off_numel = host_numel + nvme_numel
-    d2h = off_numel * MODEL_BYTES / (hw.pcie_gbs * 1e9)
+    d2h = off_numel * g / (hw.pcie_gbs * 1e9)
     on_device = sum(n for n, s in zip(numels, streamed) if s)  # host chunks the GPU updates
     h2d = (off_numel - on_device) * MODEL_BYTES / (hw.pcie_gbs * 1e9)
     cpu_alone, cpu_shared, device_rate = host_update_rates(hw, gpus_per_node, zc.cpu_adam)
@@ -420,7 +430,7 @@ def plan_zero_cache(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int
         # (pipelined over the slots), behind the micro batch's backward; measured at 19 layers, 16 micro
         # batches: hidden (the step 2.6 s over compute, 2.0 s of it the update;
         # peers-zero_cache-L19-mb2-gb32.json)
-        trip = off_numel * MODEL_BYTES / (hw.pcie_gbs * 1e9)
+        trip = off_numel * g / (hw.pcie_gbs * 1e9)
         transfers += (mb - 1) * max(0.0, trip - bwd_last)
     update = max(cpu, nvme_io)  # NVMe reads and writes are double buffered beside the CPU update
     exposed_update = max(0.0, update - fwd_first) if zc.pipeline_optimizer else update
@@ -507,8 +517,13 @@ def plan_megatron(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int =
     # peers-megatron-L7-mb4-gb32.json). The step's
     # temporaries and the activations are not live at once: the larger of the two counts.
     activations = activation_bytes(cfg)
-    gpu = {"weights": n * MODEL_BYTES, "main_grads": n * 4, "optimizer_states": -(-n * 12 // dp),
-           "optimizer_temporaries": max(0, -(-n * 4 // dp) - activations), "activations": activations,
+    # main grads in fp32 (optim.accumulate_grads_in_fp32: grad_reduce_in_fp32), else in bf16, from which
+    # the step makes an fp32 copy of the rank's shard (distrib_optimizer's _copy_model_grads_to_main_grads)
+    fp32 = cfg.optim.accumulate_grads_in_fp32
+    temporaries = -(-n * 4 // dp) * (1 if fp32 else 2)
+    gpu = {"weights": n * MODEL_BYTES, "main_grads": n * (4 if fp32 else MODEL_BYTES),
+           "optimizer_states": -(-n * 12 // dp),
+           "optimizer_temporaries": max(0, temporaries - activations), "activations": activations,
            "workspace": WORKSPACE + CUDA_CONTEXT}
     host = {"process": HOST_PROCESS}
     step = {"compute": _compute_s(cfg, hw, world),
@@ -534,7 +549,8 @@ def plan_megatron_cpu_offload(cfg: Config, hw: Machine, gpus_per_node: int = 1, 
     # (4 B/param), which the host OOM kills at 8 layers (fraction 1.0) and 12 and 13 layers (fraction 0.7)
     # show (megatron_cpu_offload-L8-fraction1.0-host-oom.json, megatron_cpu_offload-L12-fraction0.7-host-oom.json,
     # peers-megatron_cpu_offload-L13-mb2-gb32.json)
-    gpu = {"weights": n * MODEL_BYTES, "main_grads": n * 4, "optimizer_states": int(shard * 12 * (1 - f)),
+    gpu = {"weights": n * MODEL_BYTES, "main_grads": n * (4 if cfg.optim.accumulate_grads_in_fp32 else MODEL_BYTES),
+           "optimizer_states": int(shard * 12 * (1 - f)),
            "transfer_buffers": int(shard * 2.8 * f), "activations": activation_bytes(cfg),
            "workspace": WORKSPACE + CUDA_CONTEXT}
     host = {"host_states": int(shard * 16.9 * f), "step_transient": int(shard * 4 * f), "process": HOST_PROCESS}

@@ -50,8 +50,9 @@ def build(cfg, on_gpu: bool, beside_store_bytes: int = 0):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed import finalize_model_grads
 
-        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                                   use_distributed_optimizer=True)
+        # optim.accumulate_grads_in_fp32: micro batches add up (and reduce) in an fp32 main_grad buffer
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=cfg.optim.accumulate_grads_in_fp32,
+                                                   overlap_grad_reduce=False, use_distributed_optimizer=True)
         model = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
         model.config.finalize_model_grads_func = finalize_model_grads
         optimizer = build_megatron_optimizer(model, cfg)

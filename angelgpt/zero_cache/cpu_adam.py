@@ -1,5 +1,5 @@
-"""The host chunks' AdamW: one pass over memory that reads the model-dtype gradient and writes the
-model-dtype weight beside the fp32 update (cpu_adam.c), built once per machine with the system C
+"""The host chunks' AdamW: one pass over memory that reads the gradient (model dtype, or fp32 where
+micro batches add up in fp32) and writes the model-dtype weight beside the fp32 update (cpu_adam.c), built once per machine with the system C
 compiler and cached; torch's fused AdamW with conversions around it where no compiler is found.
 
     adam = CpuAdam.load("auto")            # None: use torch (no compiler, or 'torch' asked for)
@@ -78,7 +78,7 @@ class CpuAdam:
         lib = ctypes.CDLL(str(path))  # a CDLL call releases the GIL: the update thread runs beside training
         fn = lib.angelgpt_adamw
         fp, vp, i, f = ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-        fn.argtypes = [fp, fp, fp, vp, i, vp, i, ctypes.c_int64, f, f, f, f, f, f, f, i]
+        fn.argtypes = [fp, fp, fp, vp, i, vp, i, i, ctypes.c_int64, f, f, f, f, f, f, f, i]
         fn.restype = None
         self._fn = fn
         self.path = path
@@ -100,16 +100,19 @@ class CpuAdam:
     def step(self, states: torch.Tensor, grad: torch.Tensor, out: Optional[torch.Tensor], *, step: int, lr: float,
              weight_decay: float, betas: Tuple[float, float], eps: float, coef: float) -> None:
         """One AdamW update of states [3, n] (fp32 master, exp_avg, exp_avg_sq; rows contiguous) from
-        grad [n] (bf16 or fp32) scaled by coef (clipping; >= 1 leaves it), writing the new weights in
-        grad's dtype into out [n]: a buffer of its own, grad itself (read before written), or None."""
+        grad [n] (bf16 or fp32) scaled by coef (clipping; >= 1 leaves it), writing the new weights into
+        out [n] (bf16 or fp32): a buffer of its own, grad itself (read before written; same dtype), or
+        None."""
         n = grad.numel()
         assert states.dtype == torch.float32 and states.shape[1] == n and states.stride(1) == 1
         assert grad.dtype in (torch.bfloat16, torch.float32) and grad.is_contiguous() and not grad.is_cuda
         if out is None:
             out_kind = 0
         else:
-            assert out.dtype == grad.dtype and out.is_contiguous() and out.numel() == n and not out.is_cuda
+            assert out.dtype in (torch.bfloat16, torch.float32) and out.is_contiguous() and out.numel() == n \
+                and not out.is_cuda
             same = out.data_ptr() == grad.data_ptr()
+            assert not same or out.dtype == grad.dtype, "out over the gradient in another dtype"
             assert same or not _overlap(out, grad), "out overlaps the gradient without being it"
             out_kind = 2 if same else 1
         step = float(step)
@@ -117,7 +120,8 @@ class CpuAdam:
         bc2_sqrt = math.sqrt(1.0 - betas[1] ** step)
         scale = 1.0 if coef >= 1.0 else 1.0 / coef  # as torch's grad_scale: the gradient is divided by it
         self._fn(states[0].data_ptr(), states[1].data_ptr(), states[2].data_ptr(), grad.data_ptr(),
-                 int(grad.dtype == torch.bfloat16), 0 if out_kind != 1 else out.data_ptr(), out_kind, n,
+                 int(grad.dtype == torch.bfloat16), 0 if out_kind != 1 else out.data_ptr(), out_kind,
+                 int(out is not None and out.dtype == torch.bfloat16), n,
                  1.0 - lr * weight_decay, betas[0], betas[1], lr / bc1, bc2_sqrt, eps, scale, self.threads)
 
 

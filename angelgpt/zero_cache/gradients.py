@@ -1,11 +1,17 @@
-"""Gradients on their way into the store: the post-accumulate hooks, the reduction to each
-parameter's owner over DP, the copy into the owner's chunk (D2H stream for host chunks), in-store
-accumulation over micro batches (a host chunk's running sum through a device slot), the flush before
-the step, and the squared norm of what was stored.
+"""Gradients on their way into the store: the post-accumulate hooks, the fp32 main grads that micro
+batches add up in on the device, the reduction to each parameter's owner over DP, the copy into the
+owner's chunk (D2H stream for host chunks), in-store accumulation over micro batches (a host chunk's
+running sum through a device slot), the flush before the step, and the squared norm of what was stored.
+
+Micro batches add up in the store's gradient dtype (fp32 with optim.accumulate_grads_in_fp32 and
+several micro batches): in the store (accumulate_in_store), each micro batch's gradient is added to
+the fp32 buffers and slots; on the device, each is added to an fp32 main grad per parameter and
+autograd's model-dtype gradient is released at once (Megatron's main_grad), unless the model is fp32
+already or the opt-out lets autograd add up in the model's dtype.
 
 Owns: the backward state of one step (gradients seen per sub-group, micro batches offloaded,
-reductions in flight), the squared norm on the device, and the accumulation slots' cursor and
-events. Touches: the model's ``p.grad`` (released once copied), the chunks' ``grad`` and
+reductions in flight, main grads), the squared norm on the device, and the accumulation slots' cursor
+and events. Touches: the model's ``p.grad`` (released once copied), the chunks' ``grad`` and
 ``grad_ready`` in the store, the D2H and H2D streams, the profile, and the store's ``update_free``
 events (waited on and cleared: the device update buffers share the slots' memory). Calls the update's
 ``complete(gi)`` before a chunk's gradient is overwritten and the weights part's ``release(gi)``
@@ -42,6 +48,7 @@ class Gradients:
         self.group, self.dp_rank, self.dp_size = store.group, store.dp_rank, store.dp_size
         self.use_reduce_scatter = store.use_reduce_scatter
         self.accumulate, self.num_microbatches = store.accumulate, store.num_microbatches
+        self.main_grads = store.main_grads  # micro batches add up in fp32 main grads on the device
         self.max_reduce_events = store.cfg.zero_cache.max_param_reduce_events
         self.params, self.sub_groups, self.group_of = store.params, store.sub_groups, store.group_of
         self.layouts, self.slot_of, self.shape = store.layouts, store.slot_of, store.shape
@@ -78,9 +85,22 @@ class Gradients:
         self._in_flight = collections.deque()
         self._micro = collections.Counter()  # micro batches of each sub-group offloaded so far
         self._sq_side = torch.zeros((), dtype=torch.float32, device=self.device)  # host sums' norms (H2D stream)
+        self._main = {}  # id(p) -> its fp32 main grad: the micro batches' sum so far (main_grads)
+
+    def _grad(self, p):
+        """The gradient of p so far: its main grad where micro batches add up in one, else p.grad."""
+        return self._main.get(id(p), p.grad)
 
     def _on_grad(self, p: torch.nn.Parameter) -> None:
-        """Post-accumulate hook: a sub-group whose gradients are final is reduced and offloaded now."""
+        """Post-accumulate hook: this micro batch's gradient added to p's fp32 main grad (main_grads) and
+        released; a sub-group whose gradients are final is reduced and offloaded now."""
+        if self.main_grads:
+            main = self._main.get(id(p))
+            if main is None:
+                self._main[id(p)] = p.grad.to(torch.float32)
+            else:
+                main.add_(p.grad)
+            p.grad = None
         gi = self.group_of[id(p)]
         self._seen[gi] += 1
         if self._seen[gi] == len(self.sub_groups[gi]):  # this micro batch is done with the sub-group
@@ -107,22 +127,20 @@ class Gradients:
         group = self.sub_groups[gi]
         self._sum_sequence_parallel(group)
         if self.dp_size == 1:
-            self._to_owner(gi, [(p, p.grad if p.grad is not None else
+            self._to_owner(gi, [(p, self._grad(p) if self._grad(p) is not None else
                                  torch.zeros(self.shape[id(p)], dtype=self.model_dtype, device=self.device))
                                 for p in group], first, last)
-            for p in group:  # a stream that reads it recorded itself there (_to_owner, _accumulate)
-                p.grad = None
+            self._release(group)  # a stream that reads it recorded itself there (_to_owner, _accumulate)
             return
         per_rank, seg = self.layouts[gi]
         flat = torch.zeros(self.dp_size * seg, dtype=torch.float32, device=self.device)
         for r, ps in enumerate(per_rank):
             off = r * seg
             for p in ps:
-                if p.grad is not None:
-                    flat[off:off + self._n(p)].copy_(p.grad.reshape(-1))
+                if self._grad(p) is not None:
+                    flat[off:off + self._n(p)].copy_(self._grad(p).reshape(-1))
                 off += self._n(p)
-        for p in group:  # copied into flat on this stream
-            p.grad = None
+        self._release(group)  # copied into flat on this stream
         t0 = self.profile.start("reduce_scatter")
         if self.use_reduce_scatter:
             mine = torch.empty(seg, dtype=torch.float32, device=self.device)
@@ -133,6 +151,11 @@ class Gradients:
         self._in_flight.append((gi, work, mine, t0, first, last))
         while len(self._in_flight) > self.max_reduce_events:
             self._finish_reduce()
+
+    def _release(self, group) -> None:
+        for p in group:
+            p.grad = None
+            self._main.pop(id(p), None)
 
     def _sum_sequence_parallel(self, group) -> None:
         """Sequence parallelism: the gradients of the sub-group's parameters marked ``sequence_parallel``
@@ -145,7 +168,7 @@ class Gradients:
         tp = parallel_state.get_tensor_model_parallel_group()
         if not marked or tp.size() == 1:
             return
-        grads = [p.grad if p.grad is not None else
+        grads = [self._grad(p) if self._grad(p) is not None else
                  torch.zeros(self.shape[id(p)], dtype=self.model_dtype, device=self.device) for p in marked]
         flat = torch.cat([g.reshape(-1).float() for g in grads])
         dist.all_reduce(flat, group=tp)
@@ -181,8 +204,8 @@ class Gradients:
             c, off = self.slot_of[id(p)]
             if not self.streams.cuda or c.tier == "device":
                 c.grad[off:off + self._n(p)].copy_(g.reshape(-1))
-            else:
-                down.append((c, off, p, g))
+            else:  # in the chunk's dtype first: a copy to the host that converts goes through pageable
+                down.append((c, off, p, g.to(c.grad.dtype)))  # memory, synchronously
         if not down:
             return
         produced = torch.cuda.current_stream(self.device).record_event()
@@ -265,9 +288,11 @@ class Gradients:
         """Offloads what no hook offloaded (a parameter without a gradient, a partial last micro batch, the
         tied embedding's sub-group once both stages' gradients are summed)."""
         if self.tied is not None:  # Megatron's _allreduce_word_embedding_grads
-            if self.tied.grad is None:
+            if self.main_grads and self._grad(self.tied) is None:
+                self._main[id(self.tied)] = torch.zeros_like(self.tied, dtype=torch.float32)
+            elif self._grad(self.tied) is None:
                 self.tied.grad = torch.zeros_like(self.tied)
-            allreduce_tied_embedding_grad(self.tied.grad)
+            allreduce_tied_embedding_grad(self._grad(self.tied))
         for gi in range(len(self.sub_groups)):
             if not self._offloaded[gi]:
                 self._offload(gi, last=True)
@@ -276,11 +301,11 @@ class Gradients:
         if self.streams.cuda and self.accumulate:  # the norms of the host chunks' sums (side stream)
             torch.cuda.current_stream(self.device).wait_stream(self.streams.h2d)
         self._sq += self._sq_side
+        self._sq_side.zero_()  # counted once, however often flush runs
 
     # -- the step's view of them ------------------------------------------------------------------
     def zero_grad(self) -> None:
-        for p in self.params:
-            p.grad = None
+        self._release(self.params)
         self.reset_backward_state()
 
     def global_norm(self) -> float:

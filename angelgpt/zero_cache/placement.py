@@ -1,5 +1,9 @@
 """Placement of ZeRO-Cache chunks over tiers, and the bytes each tier holds; no torch here, so the
-planner (`angelgpt plan`) computes exactly what the optimizer allocates without building anything."""
+planner (`angelgpt plan`) computes exactly what the optimizer allocates without building anything.
+
+Two sizes per element run through it: `grad_bytes`, the store's gradients (fp32 while micro batches
+add up in fp32: optim.accumulate_grads_in_fp32; else the model's dtype), and `weight_bytes`, the
+model's weights (fetched offloaded layers, their host copies, the uploads)."""
 
 from __future__ import annotations
 
@@ -114,13 +118,18 @@ def prefetch_depth(layer_numel: int, prefetch_bucket_size: int, max_live_paramet
 
 
 def training_reserve(beside_store: int, largest_group: int, grad_bytes: int, offloaded: bool, model_numel: int,
-                     accumulating_on_device: bool, depth: int) -> int:
+                     accumulating_on_device: bool, depth: int, weight_bytes: Optional[int] = None) -> int:
     """Device bytes training needs beside the store and the resident weights: what the caller counts
     (activations and workspace, `beside_store`), the gradients (every parameter's while micro batches
-    add up on the device, else the two largest sub-groups' in flight), and, with offloaded layers, the
-    one in use, those prefetched (`depth`) and one autograd has not freed yet."""
-    fetched = (2 + depth) * largest_group * grad_bytes if offloaded else 0
-    grads = model_numel * grad_bytes if accumulating_on_device else 2 * largest_group * grad_bytes
+    add up on the device: in fp32 main grads, beside which autograd's gradients of one sub-group are in
+    flight, or in the model's gradients themselves; else the two largest sub-groups' in flight), and,
+    with offloaded layers, the one in use, those prefetched (`depth`) and one autograd has not freed yet."""
+    weight_bytes = grad_bytes if weight_bytes is None else weight_bytes
+    fetched = (2 + depth) * largest_group * weight_bytes if offloaded else 0
+    if accumulating_on_device:
+        grads = model_numel * grad_bytes + (largest_group * weight_bytes if grad_bytes != weight_bytes else 0)
+    else:
+        grads = 2 * largest_group * grad_bytes
     return beside_store + grads + fetched
 
 
@@ -135,15 +144,18 @@ def offloaded_layers(chunk_groups: List[int], tiers: List[str], n_groups: int, e
     return flags
 
 
-def accumulation_bytes(groups: List[int], numels: List[int], tiers: List[str], flags: List[bool],
-                       grad_bytes: int) -> Dict[str, int]:
-    """Bytes that accumulating in the store adds: on the device, ACCUMULATION_SLOTS slots of the
-    largest sub-group's off-device gradients (a running sum makes its round trip through one); on the
-    host, offloaded layers' weights in their own buffers (their gradient buffers fill from the first
-    micro batch on, while later ones still fetch the weights)."""
-    weights = sum(n for g, n in zip(groups, numels) if flags[g])
-    return {"device": grad_bytes * ACCUMULATION_SLOTS * largest_off_device_group(groups, numels, tiers),
-            "host": grad_bytes * weights}
+def accumulation_bytes(groups: List[int], numels: List[int], tiers: List[str], grad_bytes: int) -> int:
+    """Device bytes that accumulating in the store adds: ACCUMULATION_SLOTS slots of the largest
+    sub-group's off-device gradients (a running sum makes its round trip through one)."""
+    return grad_bytes * ACCUMULATION_SLOTS * largest_off_device_group(groups, numels, tiers)
+
+
+def own_weight_buffers(accumulate_in_store: bool, grad_bytes: int, weight_bytes: int) -> bool:
+    """Do offloaded layers keep their weights in buffers of their own? Yes when their gradient buffers
+    fill from the first micro batch on (accumulating in the store, while later micro batches still fetch
+    the weights) or hold another dtype than the weights (fp32 gradients); else the weights wait in the
+    gradient buffer until the last backward's gradients replace them."""
+    return accumulate_in_store or grad_bytes != weight_bytes
 
 
 def largest_off_device_group(groups: List[int], numels: List[int], tiers: List[str]) -> int:
@@ -175,22 +187,27 @@ def device_updated(groups: List[int], numels: List[int], tiers: List[str], flags
 
 def device_update_bytes(numels: List[int], streamed: List[bool], grad_bytes: int) -> int:
     """Device memory of the two device update buffers (none when no chunk is updated there): fp32
-    master, exp_avg, exp_avg_sq and gradient, and the gradient as it arrives in the model dtype."""
+    master, exp_avg, exp_avg_sq and gradient, and, where the store's gradients are not fp32, the
+    gradient as it arrives in their dtype (an fp32 gradient arrives in its row directly)."""
     largest = max((n for n, s in zip(numels, streamed) if s), default=0)
-    return 2 * ((STATES + 1) * 4 + grad_bytes) * min(largest, DEVICE_UPDATE_SLICE)
+    arriving = grad_bytes if grad_bytes != 4 else 0
+    return 2 * ((STATES + 1) * 4 + arriving) * min(largest, DEVICE_UPDATE_SLICE)
 
 
 def place(groups: List[int], numels: List[int], n_groups: int, rate: float, host_limit: float, nvme_enabled: bool,
           grad_bytes: int, offload_params: bool, accumulate_in_store: bool = False, allowed=None,
-          device_update_fraction: float = 0.0):
+          device_update_fraction: float = 0.0, weight_bytes: Optional[int] = None):
     """Tiers per chunk, offloaded-weights flag per sub-group, bytes per tier, and per chunk whether the
     device updates it (`device_updated`). With NVMe, what the host cannot hold goes there: the host
     budget for states shrinks until everything on the host (states, gradients, scratch, staging) fits,
     or nothing more can move, and grows into what the device chunks' gradients leave free of the first
     pass's reserve while chunks still fit. An offloaded layer's weights live in its pinned gradient
-    buffer: the last backward reads them before its gradients land there, and the update writes the
-    new weights back. Host chunks updated on the device (`device_updated`) need two update buffers on
-    the device, which share their memory with the accumulation slots."""
+    buffer (the last backward reads them before its gradients land there, and the update writes the
+    new weights back), or in a pinned buffer of their own (own_weight_buffers). Host chunks updated on
+    the device (`device_updated`) need two update buffers on the device, which share their memory with
+    the accumulation slots. weight_bytes defaults to grad_bytes."""
+    weight_bytes = grad_bytes if weight_bytes is None else weight_bytes
+    separate = own_weight_buffers(accumulate_in_store, grad_bytes, weight_bytes)
     room = host_room_for_states(host_limit, numels, grad_bytes, nvme_enabled)
     fitting, last = None, None  # the last placement that fits; the tiers of the pass before
     for _ in range(4 * len(numels) + 4):  # each pass moves a chunk between host and NVMe, or stops
@@ -198,14 +215,14 @@ def place(groups: List[int], numels: List[int], n_groups: int, rate: float, host
         flags = offloaded_layers(groups, tiers, n_groups, offload_params)
         if allowed is not None:  # over DP a layer is offloaded on every rank or on none
             flags = [f and a for f, a in zip(flags, allowed)]
-        need = tier_bytes(numels, tiers, grad_bytes)  # an offloaded layer's weights share its gradient buffer
-        slots = (accumulation_bytes(groups, numels, tiers, flags, grad_bytes) if accumulate_in_store
-                 else {"device": 0, "host": 0})
-        need["host"] += slots["host"]
+        need = tier_bytes(numels, tiers, grad_bytes)
+        if separate:  # offloaded layers' weights in buffers of their own, else in their gradient buffers
+            need["host"] += weight_bytes * sum(n for g, n in zip(groups, numels) if flags[g])
+        slots = accumulation_bytes(groups, numels, tiers, grad_bytes) if accumulate_in_store else 0
         # the accumulation slots and the device update buffers share one device buffer: the update runs
         # between the last backward and the next forward, the round trips during later backward passes
         streamed = device_updated(groups, numels, tiers, flags, device_update_fraction)
-        need["device"] += max(slots["device"], device_update_bytes(numels, streamed, grad_bytes))
+        need["device"] += max(slots, device_update_bytes(numels, streamed, grad_bytes))
         over = need["host"] - host_limit
         if not nvme_enabled:
             return tiers, flags, need, streamed

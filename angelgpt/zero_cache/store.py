@@ -3,11 +3,12 @@ parts share.
 
 Owns: the partition of whole parameters over DP ranks, the sub-groups (one per transformer layer, the
 embedding first, the final norm and output last) and their DP layouts, the chunks (``Chunk``: flat
-fp32 master, exp_avg, exp_avg_sq and a flat gradient buffer in the model dtype, per sub-group and
-weight-decay class), their placement over the tiers (``placement.place``, refused on every rank when
-one rank's does not fit), the tiers' allocators, the update scratch, the pinned upload buffers, the
-device pool that the accumulation slots and the device update buffers share, the CPU AdamW kernel,
-the CUDA streams and the time profile. Reads the config (concrete: no 'auto' left) and the DP group.
+fp32 master, exp_avg, exp_avg_sq and a flat gradient buffer, fp32 while micro batches add up in
+fp32 and else in the model dtype, per sub-group and weight-decay class), their placement over the
+tiers (``placement.place``, refused on every rank when one rank's does not fit), the tiers'
+allocators, the update scratch, the pinned upload buffers, the device pool that the accumulation
+slots and the device update buffers share, the CPU AdamW kernel, the CUDA streams and the time
+profile. Reads the config (concrete: no 'auto' left) and the DP group.
 
 Touches the model's parameters only while allocating: their weights are copied into the chunks, and
 an offloaded layer's weights leave the device through the ``release`` the weights part hands in. The
@@ -33,7 +34,7 @@ from angelgpt.zero_cache.cpu_adam import CpuAdam, CpuAdamUnavailable
 from angelgpt.zero_cache.pipeline import Profile, Streams
 from angelgpt.zero_cache.placement import (ACCUMULATION_SLOTS, DEVICE_UPDATE_SLICE, GPU_HEADROOM, SLICE, STATES,
                                            accumulation_bytes, chunk_runs, device_update_bytes, largest_off_device_group,
-                                           partition, place, prefetch_depth, training_reserve)
+                                           own_weight_buffers, partition, place, prefetch_depth, training_reserve)
 from angelgpt.zero_cache.tiers import (GIB, DeviceTier, HostTier, NVMeTier, available_bytes, check_capacity,
                                        check_memlock, device_memory)
 
@@ -93,9 +94,9 @@ class Chunk:
     shapes: List[torch.Size] = field(default_factory=list)  # the params' shapes (a released param is empty)
     states: Optional[torch.Tensor] = None  # [3, numel] fp32: master, exp_avg, exp_avg_sq (device/host tiers)
     file: Optional[object] = None  # NVMe tier
-    grad: Optional[torch.Tensor] = None  # [numel], model dtype: reduced and owned (device tier, else host)
+    grad: Optional[torch.Tensor] = None  # [numel], Store.grad_dtype: reduced and owned (device tier, else host)
     grad_ready: Optional[object] = None  # CUDA event: the gradient's D2H copy is done
-    weights: Optional[torch.Tensor] = None  # offloaded layer (offload_params): its weights, in the grad buffer
+    weights: Optional[torch.Tensor] = None  # offloaded layer (offload_params): its weights (the grad buffer or its own)
     step: Optional[torch.Tensor] = None
     device_update: bool = False  # a host chunk that the device updates (device_update_fraction)
     states_home: Optional[object] = None  # CUDA event: its states are back in host memory after that update
@@ -167,6 +168,13 @@ class Store:
                                              for gi in range(len(self.sub_groups))]
         self.slot_of = {id(p): (c, off) for c in self.chunks for p, off in zip(c.params, c.offsets)}  # owned params
         self.model_dtype = self.params[0].dtype
+        # the dtype micro batches' gradients add up in (optim.accumulate_grads_in_fp32): the store's
+        # gradient buffers and accumulation slots; with one micro batch nothing adds up (model dtype)
+        fp32 = o.accumulate_grads_in_fp32 and self.num_microbatches > 1
+        self.grad_dtype = torch.float32 if fp32 else self.model_dtype
+        # adding up on the device (not in the store) in fp32 where autograd's gradients are not: an fp32
+        # main grad per parameter takes each micro batch's gradient (gradients.py)
+        self.main_grads = self.num_microbatches > 1 and not self.accumulate and self.grad_dtype != self.model_dtype
         self._place(zc)
         self.cpu_adam = self._load_cpu_adam(zc.cpu_adam)
         self.streams = Streams(device)
@@ -174,7 +182,7 @@ class Store:
 
     # -- placement ---------------------------------------------------------------------------
     def _place(self, zc) -> None:
-        grad_bytes = self.params[0].element_size()
+        grad_bytes, weight_bytes = self.grad_dtype.itemsize, self.model_dtype.itemsize
         if zc.nvme_path:  # chunk files a killed run left would count against this run's NVMe room
             freed = NVMeTier.reclaim(zc.nvme_path)
             if freed:
@@ -185,7 +193,7 @@ class Store:
         groups = [c.group for c in self.chunks]
         args = (groups, numels, len(self.sub_groups), self.rate, avail["host"],
                 bool(zc.nvme_path), grad_bytes, self.offload_params, self.accumulate)
-        kw = {"device_update_fraction": self.device_update_fraction}
+        kw = {"device_update_fraction": self.device_update_fraction, "weight_bytes": weight_bytes}
         tiers, flags, needed, streamed = place(*args, **kw)
         if self.dp_size > 1:  # a layer is fetched (and all-gathered) on every rank or on none
             t = torch.tensor([float(f) for f in flags], device=self.device)
@@ -199,24 +207,26 @@ class Store:
             # GPU) and offloaded layers in use, prefetched or not yet freed, as the planner counts them
             largest = max(sum(self._n(p) for p in g) for g in self.sub_groups)
             depth = prefetch_depth(largest, zc.prefetch_bucket_size, zc.max_live_parameters,
-                                   zc.max_contigous_params_size, grad_bytes)
+                                   zc.max_contigous_params_size, weight_bytes)
             avail["device"] -= training_reserve(self.beside_store_bytes, largest, grad_bytes, any(flags),
                                                 sum(self._n(p) for p in self.params),
-                                                self.num_microbatches > 1 and not self.accumulate, depth)
+                                                self.num_microbatches > 1 and not self.accumulate, depth,
+                                                weight_bytes)
             avail["device"] -= int(GPU_HEADROOM * device_memory(self.device)[1])
         # offloaded layers leave the device once their chunks exist, making room for the states
-        avail["device"] += grad_bytes * sum(self._n(p) for gi, f in enumerate(flags) if f for p in self.sub_groups[gi])
+        avail["device"] += weight_bytes * sum(self._n(p) for gi, f in enumerate(flags) if f for p in self.sub_groups[gi])
         if not zc.nvme_path:
             needed.pop("nvme")
+        self.own_weights = own_weight_buffers(self.accumulate, grad_bytes, weight_bytes)
 
         def check():
             check_capacity(needed, avail)
             if self.device.type == "cuda":  # what crosses PCIe is pinned: host gradients, offloaded weights,
                 # the states the device updates
                 off = sum(c.numel for c, t in zip(self.chunks, tiers) if t != "device")
-                own_weights = sum(c.numel for c in self.chunks if flags[c.group]) if self.accumulate else 0
+                own_weights = sum(c.numel for c in self.chunks if flags[c.group]) if self.own_weights else 0
                 streamed = sum(c.numel for c in self.chunks if c.device_update)
-                check_memlock(grad_bytes * (off + own_weights) + STATES * 4 * streamed)
+                check_memlock(grad_bytes * off + weight_bytes * own_weights + STATES * 4 * streamed)
 
         refuse_together(check)
         self.planned_bytes = needed
@@ -272,14 +282,14 @@ class Store:
     def _allocate_chunk(self, c: Chunk) -> None:
         """One chunk: its gradient buffer (holding the owned weights first), step counter and states."""
         grad_tier = self.tiers["device" if c.tier == "device" else "host"]
-        c.grad = grad_tier.allocate(c.numel, self.model_dtype, pinned=True)
+        c.grad = grad_tier.allocate(c.numel, self.grad_dtype, pinned=True)
         step_device = self.device if c.tier == "device" or c.device_update else torch.device("cpu")
         c.step = torch.zeros((), dtype=torch.float32, device=step_device)
         # the owned weights reach the chunk through its gradient buffer (pinned when it is on the host)
         for p, view in c.views(c.grad):
             view.copy_(p.detach())
-        if self.partitioned[c.group] and self.accumulate:  # gradients arrive from the first micro batch on
-            c.weights = self.tiers["host"].allocate(c.numel, self.model_dtype, pinned=True)
+        if self.partitioned[c.group] and self.own_weights:  # gradients arrive from the first micro batch
+            c.weights = self.tiers["host"].allocate(c.numel, self.model_dtype, pinned=True)  # on, or are fp32
             c.weights.copy_(c.grad)
         elif self.partitioned[c.group]:
             c.weights = c.grad  # holds the weights until the last backward's gradients replace them
@@ -296,25 +306,27 @@ class Store:
         """One device buffer for what never runs at once: the accumulation slots that host chunks'
         running sums make their round trips through (later backward passes), and the two buffers that
         host chunks updated on the device stream through (between the last backward and the next
-        forward): [fp32 states and gradient] x 2, then [gradient as it arrives] x 2. update_free holds
-        the events of the update buffers' last use: the gradients part waits on them before a slot
-        overwrites that memory."""
+        forward): [fp32 states and gradient] x 2, then, where the gradients are not fp32, [gradient as it
+        arrives, in their dtype] x 2 (None: an fp32 gradient arrives in its row). Slots and arriving
+        gradients are in the gradients' dtype (grad_dtype). update_free holds the events of the update
+        buffers' last use: the gradients part waits on them before a slot overwrites that memory."""
         groups, numels, tiers = ([c.group for c in self.chunks], [c.numel for c in self.chunks],
                                  [c.tier for c in self.chunks])
         streamed = [c.device_update for c in self.chunks]
-        size = self.model_dtype.itemsize
+        dtype = self.grad_dtype
+        size = dtype.itemsize
         slot = largest_off_device_group(groups, numels, tiers) if self.accumulate else 0
         n = min(max((c.numel for c in self.chunks if c.device_update), default=0), DEVICE_UPDATE_SLICE)
         # the sizes placement counts: the slots, or the update buffers, whichever is larger
-        slots_bytes = accumulation_bytes(groups, numels, tiers, self.partitioned, size)["device"] \
-            if self.accumulate else 0
+        slots_bytes = accumulation_bytes(groups, numels, tiers, size) if self.accumulate else 0
         nbytes = max(slots_bytes, device_update_bytes(numels, streamed, size))
         pool = self.tiers["device"].allocate(nbytes, torch.uint8) if nbytes else None
-        self.acc_slots = [pool[i * slot * size:(i + 1) * slot * size].view(self.model_dtype)
+        self.acc_slots = [pool[i * slot * size:(i + 1) * slot * size].view(dtype)
                           for i in range(ACCUMULATION_SLOTS)] if slot else []
         states = (STATES + 1) * 4 * n
         self.update_bufs = [(pool[j * states:(j + 1) * states].view(torch.float32).view(STATES + 1, n),
-                             pool[2 * states + j * n * size:2 * states + (j + 1) * n * size].view(self.model_dtype))
+                             pool[2 * states + j * n * size:2 * states + (j + 1) * n * size].view(dtype)
+                             if dtype != torch.float32 else None)
                             for j in range(2)] if n else []
         self.update_free = [None, None]
 

@@ -10,9 +10,9 @@ usable on the current stream (and all-gathers them over DP); ``wait_all()`` comp
 Owns: the update threads and the NVMe read-ahead thread, the updates in flight per sub-group, the
 sub-groups still to all-gather, the upload buffers' and device update buffers' cursors and events.
 Touches: the chunks' states, step counters, NVMe files and ``states_home`` events in the store, an
-offloaded layer's ``weights`` (the new weights written over the gradient), the model's ``p.data``
-of resident layers (new weights copied in), the store's ``update_free`` events, the streams and the
-profile. Calls the gradients part (flush, global_norm, zero_grad) and the weights part (release of
+offloaded layer's ``weights`` (the new weights written there, over the gradient where they share its
+buffer), the model's ``p.data`` of resident layers (new weights copied in), the store's
+``update_free`` events, the streams and the profile. Calls the gradients part (flush, global_norm, zero_grad) and the weights part (release of
 fetched copies before the update, all_gather after it).
 """
 
@@ -109,7 +109,7 @@ class Update:
 
     def _native_adamw(self, c: Chunk, states: torch.Tensor, grad: torch.Tensor, hyper, coef: float,
                       out=None) -> None:
-        """The one-pass CPU kernel, the new weights into out (grad's dtype) unless it is None."""
+        """The one-pass CPU kernel, the new weights into out (its own dtype) unless it is None."""
         lr, wd = hyper[0 if c.decay else 1]
         self.cpu_adam.step(states, grad, out, step=int(c.step.item()), lr=lr, weight_decay=wd, betas=self.betas,
                            eps=self.eps, coef=coef)
@@ -180,19 +180,22 @@ class Update:
                 if self._update_free[i] is not None:
                     self._update_free[i].synchronize()  # the buffer's last states have left it
                 buf, grad_in = self._update_bufs[i]
-                states, grad, grad_in = buf[:STATES, :hi - lo], buf[STATES, :hi - lo], grad_in[:hi - lo]
+                states, grad = buf[:STATES, :hi - lo], buf[STATES, :hi - lo]
                 t1 = self.profile.start("device_update", h2d)
                 with on_h2d():
                     for k in range(STATES):  # row by row: each row slice is contiguous (async copies)
                         states[k].copy_(c.states[k, lo:hi], non_blocking=True)
-                    grad_in.copy_(c.grad[lo:hi], non_blocking=True)
-                    grad.copy_(grad_in)
+                    if grad_in is None:  # an fp32 gradient lands in its row
+                        grad.copy_(c.grad[lo:hi], non_blocking=True)
+                    else:  # up in its dtype, converted on the device
+                        grad_in[:hi - lo].copy_(c.grad[lo:hi], non_blocking=True)
+                        grad.copy_(grad_in[:hi - lo])
                     self._adamw(c, states, grad, hyper, coef)
                     for p, a, b, sa, sb in self._param_ranges(c, lo, hi):
                         p.data.view(-1)[a:b].copy_(states[0, sa - lo:sb - lo])
                     updated = h2d.record_event() if cuda else None
                 self.profile.stop("device_update", t1, h2d)
-                self.profile.add_bytes("device_update", (hi - lo) * (2 * STATES * 4 + grad_in.element_size()))
+                self.profile.add_bytes("device_update", (hi - lo) * (2 * STATES * 4 + c.grad.element_size()))
                 if not cuda:
                     c.states[:, lo:hi].copy_(states)
                     continue
@@ -225,9 +228,9 @@ class Update:
 
     def _cpu_update(self, c: Chunk, states: torch.Tensor, lo: int, hi: int, out, hyper, coef: float) -> None:
         """AdamW of a host or NVMe chunk's slice [lo, hi), the new weights into out (model dtype; may be
-        the gradient buffer itself) unless it is None."""
+        the gradient buffer itself, when that is in the model dtype) unless it is None."""
         t0 = time.perf_counter()
-        if self.cpu_adam is not None:  # one pass: model-dtype gradient in, model-dtype weights out
+        if self.cpu_adam is not None:  # one pass: the gradient in (fp32 or model dtype), model-dtype weights out
             self._native_adamw(c, states, c.grad[lo:hi], hyper, coef, out)
             self.profile.busy("cpu_optimizer", time.perf_counter() - t0)
             return

@@ -62,7 +62,7 @@ def test_update_equals_torch_adamw(tmp_path, dp, rate, nvme):
         # the planner, from the config alone, predicts what this rank's allocator handed out, per tier
         cfg = resolve("tiny", overrides=["optim.optimizer=zero_cache", *overrides])
         host_limit = cfg.zero_cache.host_max_gib * 2 ** 30 if nvme else 1 << 50
-        predicted = rank_tier_bytes(cfg, dp, r["rank"], rate, host_limit, nvme, grad_bytes=4, fraction=fraction)[2]
+        predicted = rank_tier_bytes(cfg, dp, r["rank"], rate, host_limit, nvme, model_bytes=4, fraction=fraction)[2]
         for tier in ("device", "host", "nvme"):
             assert r["allocated"].get(tier, 0) == predicted[tier], (tier, r["allocated"], predicted)
         # fp32 master + 2 moments + the owned gradient (fp32 on CPU) per owned parameter, plus scratch
@@ -102,7 +102,7 @@ def test_accumulating_in_the_store_equals_torch_adamw(tmp_path, dp):
             cfg = resolve("tiny", overrides=["optim.optimizer=zero_cache", "train.micro_batch_size=2",
                                              f"train.global_batch_size={6 * dp}", "zero_cache.offload_params=true",
                                              *extra])
-            predicted = rank_tier_bytes(cfg, dp, r["rank"], rate, 1 << 50, False, grad_bytes=4)[2]
+            predicted = rank_tier_bytes(cfg, dp, r["rank"], rate, 1 << 50, False, model_bytes=4)[2]
             for tier in ("device", "host"):  # staging slots and separate weight copies included
                 assert r["allocated"][tier] == predicted[tier], (extra, tier, r["allocated"], predicted)
 
@@ -130,7 +130,7 @@ def test_host_chunks_updated_on_the_device_equal_torch_adamw(tmp_path, monkeypat
         for module in (placement, importlib.import_module("angelgpt.planner.plan")):  # the workers' slice size
             monkeypatch.setattr(module, "SLICE", 1000)
         monkeypatch.setattr(placement, "DEVICE_UPDATE_SLICE", 1000)
-        predicted = rank_tier_bytes(cfg, 2, r["rank"], 0.3, 1 << 50, False, grad_bytes=4, fraction=fraction)[2]
+        predicted = rank_tier_bytes(cfg, 2, r["rank"], 0.3, 1 << 50, False, model_bytes=4, fraction=fraction)[2]
         for tier in ("device", "host"):
             assert r["allocated"][tier] == predicted[tier], (tier, r["allocated"], predicted)
 
@@ -152,7 +152,7 @@ def test_a_layer_split_between_device_and_host_equals_torch_adamw(tmp_path, monk
     monkeypatch.setattr(placement, "CHUNK", 16384)
     cfg = resolve("tiny", overrides=["optim.optimizer=zero_cache", "train.micro_batch_size=2",
                                      "train.global_batch_size=4", *overrides])
-    predicted = rank_tier_bytes(cfg, 1, 0, 0.5, 1 << 50, False, grad_bytes=4, fraction=0.5)[2]
+    predicted = rank_tier_bytes(cfg, 1, 0, 0.5, 1 << 50, False, model_bytes=4, fraction=0.5)[2]
     for tier in ("device", "host"):
         assert r["allocated"][tier] == predicted[tier], (tier, r["allocated"], predicted)
 
@@ -180,7 +180,7 @@ def test_offloaded_weights_update_equals_torch_adamw(tmp_path, dp, nvme, cpu_ada
         if nvme:
             assert set(r["tiers"]) == {"host", "nvme"}, r["tiers"]
         host_limit = cfg.zero_cache.host_max_gib * 2 ** 30 if nvme else 1 << 50
-        predicted = rank_tier_bytes(cfg, dp, r["rank"], 0.0, host_limit, nvme, grad_bytes=4)[2]
+        predicted = rank_tier_bytes(cfg, dp, r["rank"], 0.0, host_limit, nvme, model_bytes=4)[2]
         for tier in ("device", "host", "nvme"):
             assert r["allocated"].get(tier, 0) == predicted[tier], (tier, r["allocated"], predicted)
 

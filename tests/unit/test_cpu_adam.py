@@ -56,6 +56,27 @@ def test_matches_torch_adamw(adam, dtype, out_mode):
             assert torch.equal(grad, before)  # the gradient is only read
 
 
+def test_fp32_gradient_writes_bf16_weights(adam):
+    """Gradients added up in fp32 (optim.accumulate_grads_in_fp32), weights in bf16: the fp32 gradient is
+    read as it is (not rounded to bf16 first) and the new weights are written in bf16."""
+    n = 200_003
+    gen = torch.Generator().manual_seed(1)
+    states = torch.randn(3, n, generator=gen)
+    states[2].abs_()
+    ref, rounded = states.clone(), states.clone()
+    grad = torch.randn(n, generator=gen) * (1 + 2 ** -12)  # most of these are not bf16 values
+    assert not torch.equal(grad, grad.to(torch.bfloat16).float())
+    out = torch.empty(n, dtype=torch.bfloat16)
+    adam.step(states, grad, out, step=2, coef=0.7, **HYPER)
+    reference(ref, grad.clone(), 2, 0.7)
+    reference(rounded, grad.to(torch.bfloat16), 2, 0.7)
+    torch.testing.assert_close(states, ref, rtol=1e-5, atol=1e-6)
+    assert (states[1] - ref[1]).abs().max() < (rounded[1] - ref[1]).abs().max() / 10  # fp32, not bf16, read
+    assert torch.equal(out, states[0].to(torch.bfloat16))
+    with pytest.raises(AssertionError, match="another dtype"):
+        adam.step(states, grad, grad.view(torch.bfloat16)[:n], step=3, coef=1.0, **HYPER)
+
+
 def test_bf16_rounding_is_torchs():
     """The weights written in bf16 round as torch rounds (nearest, ties to even; NaN and inf kept)."""
     values = torch.tensor([1.0, 1.00390625, 1.01171875, -2.5e-39, 3.4e38, float("inf"), float("-inf"), 0.0,

@@ -15,6 +15,10 @@ from angelgpt.planner.plan import activation_bytes, offload_params_on
 from tests.helpers import check_one_line_error, run_cli
 from tests.planner_runs import RESULTS, config_of
 
+# the H200 runs that the 55-shape expectations below reproduce added micro batches up in bf16 (before
+# optim.accumulate_grads_in_fp32); in fp32 their sums take 2 more bytes per parameter
+BF16_SUMS = "optim.accumulate_grads_in_fp32=false"
+
 
 def _angelgpt_runs():
     """Result files of runs of `angelgpt train` (the DeepSpeed peer's runs are of another program)."""
@@ -59,11 +63,17 @@ def test_more_state_on_the_gpu_until_it_is_full():
 
 
 def test_accumulating_in_the_store_keeps_weights_resident_unless_they_must_move():
-    """offload_params auto with in-store accumulation: 19 layers at global batch 32 on one H200 keep their
-    weights on the GPU (fetching them for each micro batch was slower there); 55B on 8x A100-40G cannot,
-    so its host-resident layers' weights are offloaded."""
+    """offload_params auto with in-store accumulation: 19 layers at global batch 32 on one H200, the
+    running sums in bf16 as in the runs measured there, keep their weights on the GPU (fetching them for
+    each micro batch was slower there); in fp32 (the default) their 2 more bytes per parameter leave 19
+    layers short and 16 fit, weights resident; 55B on 8x A100-40G cannot keep them, so its host-resident
+    layers' weights are offloaded."""
     in_store = ["train.global_batch_size=32", "zero_cache.accumulate_in_store=true"]
-    h200 = auto_plan(resolve("h200-16b", overrides=["model.num_layers=19", *in_store]), MACHINES["h200"])
+    h200 = auto_plan(resolve("h200-16b", overrides=["model.num_layers=19", "optim.accumulate_grads_in_fp32=false",
+                                                    *in_store]), MACHINES["h200"])
+    assert h200.fits and h200.offload_params is False and h200.gpu_bytes["fetched_weights"] == 0
+    assert not auto_plan(resolve("h200-16b", overrides=["model.num_layers=19", *in_store]), MACHINES["h200"]).fits
+    h200 = auto_plan(resolve("h200-16b", overrides=["model.num_layers=16", *in_store]), MACHINES["h200"])
     assert h200.fits and h200.offload_params is False and h200.gpu_bytes["fetched_weights"] == 0
     a100 = auto_plan(resolve("55", overrides=["train.micro_batch_size=1", "train.global_batch_size=80",
                                               "zero_cache.accumulate_in_store=true"]), MACHINES["a100-40gx8"], 8)
@@ -125,17 +135,17 @@ def test_device_updates_take_their_share_of_host_chunks_interleaved():
 def test_auto_accumulation_adds_up_in_the_store_only_where_that_fits_or_is_faster():
     """accumulate_in_store 'auto' (the default): 19 layers at global batch 32 fit on one H200 only with
     each micro batch's gradients added up in the store; 8 layers keep them on the GPU; one micro batch
-    per step has nothing to accumulate."""
+    per step has nothing to accumulate. (The sums in bf16, as in the runs measured there.)"""
     def chosen(layers, gb):
         cfg = resolve("h200-16b", overrides=[f"model.num_layers={layers}", "train.micro_batch_size=2",
-                                             f"train.global_batch_size={gb}"])
+                                             f"train.global_batch_size={gb}", BF16_SUMS])
         assert cfg.zero_cache.accumulate_in_store == "auto"
         return plan_for(cfg, MACHINES["h200"])
 
     big = chosen(19, 32)
     assert big.fits and big.accumulate_in_store is True
     off = plan_for(resolve("h200-16b", overrides=["model.num_layers=19", "train.micro_batch_size=2",
-                                                  "train.global_batch_size=32",
+                                                  "train.global_batch_size=32", BF16_SUMS,
                                                   "zero_cache.accumulate_in_store=false"]), MACHINES["h200"])
     assert not off.fits
     assert chosen(8, 32).accumulate_in_store is False
@@ -164,11 +174,13 @@ def test_with_nvme_the_host_fills_before_states_go_to_disk():
 
 def test_recompute_auto_keeps_activations_where_they_fit_and_recomputes_where_they_do_not():
     """Measured on the H200: 7 layers of the 55 shape without recompute, 545.1 model TFLOP/s (Megatron) and
-    584.4 (ZeRO-Cache) against 446.1 and 461.8 with it; at 19 layers only full recompute fits."""
+    584.4 (ZeRO-Cache) against 446.1 and 461.8 with it; at 19 layers only full recompute fits (ZeRO-Cache's
+    sums in bf16, Megatron's in fp32, as in those runs)."""
     def cfg(layers, optimizer):
         return resolve("h200-16b", overrides=[f"model.num_layers={layers}", "model.recompute=auto",
                                               "train.micro_batch_size=1", "train.global_batch_size=32",
-                                              f"optim.optimizer={optimizer}"])
+                                              f"optim.optimizer={optimizer}"]
+                       + ([BF16_SUMS] if optimizer == "zero_cache" else []))  # Megatron's ran in fp32
 
     for optimizer in ("megatron", "zero_cache"):
         p = plan_for(cfg(7, optimizer), MACHINES["h200"])
@@ -184,9 +196,10 @@ def test_recompute_auto_keeps_the_activations_of_the_last_layers_that_fit():
     for part of a layer's states: 'auto' recomputes only the first k layers (Megatron's 'block'), the
     other layers' activations taking GPU memory that recomputing all 19 leaves free, and plans a faster
     step than recomputing all 19 (each kept layer saves a forward on every micro batch). (The kept
-    inputs stay on the GPU here: activation offload would free room for more kept layers.)"""
+    inputs stay on the GPU here: activation offload would free room for more kept layers. The sums in
+    bf16, as in the runs measured there.)"""
     def cfg(recompute, k=None):
-        return resolve("h200-16b", overrides=["model.num_layers=19", f"model.recompute={recompute}",
+        return resolve("h200-16b", overrides=["model.num_layers=19", f"model.recompute={recompute}", BF16_SUMS,
                                               "train.micro_batch_size=2", "train.global_batch_size=32",
                                               "zero_cache.accumulate_in_store=true", "model.activation_offload=none"]
                        + ([f"model.recompute_num_layers={k}"] if k else []))
@@ -241,10 +254,12 @@ def test_auto_rate_leaves_the_transfer_streams_their_room_and_takes_the_largest_
 def test_where_no_rate_fits_the_plan_is_the_closest_and_says_by_how_much():
     """20 layers of the 55 shape at global batch 32 on one H200 (micro batches added up in the store) fit
     at no rate: 'auto' answers with the placement least short of memory, not with its smallest rate (at
-    rate 0 it is short by over 90 GiB), and `angelgpt plan` prints the shortfall in GiB."""
+    rate 0 it is short by over 90 GiB), and `angelgpt plan` prints the shortfall in GiB. (The sums in
+    bf16, as in the runs measured there.)"""
     from angelgpt.planner.plan import plan_zero_cache, shortfall
 
-    overrides = ["model.num_layers=20", "train.global_batch_size=32", "zero_cache.accumulate_in_store=true"]
+    overrides = ["model.num_layers=20", "train.global_batch_size=32", "zero_cache.accumulate_in_store=true",
+                 BF16_SUMS]
     cfg, hw = resolve("h200-16b", overrides=overrides), MACHINES["h200"]
     auto = auto_plan(cfg, hw)
     assert not auto.fits and 0 < shortfall(auto) < 8 * GIB, auto.margin
