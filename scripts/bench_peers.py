@@ -36,12 +36,16 @@ SYSTEMS = {
     "megatron": ["optim.optimizer=megatron"],
     "megatron_cpu_offload": ["optim.optimizer=megatron_cpu_offload", "optim.offload_fraction=1.0"],
     "deepspeed_zero3_offload": [],  # scripts/bench_deepspeed.py, with the `bench` extra (DeepSpeed)
+    "deepspeed_zero3_offload_opt": ["deepspeed_config=zero3_offload_opt"],  # parameters on the GPU
+    "deepspeed_zero2_offload_opt": ["deepspeed_config=zero2_offload_opt"],  # ZeRO-Offload
     "zero_cache": ["optim.optimizer=zero_cache", "zero_cache.prefetch_cache_sub_group_rate=auto"],
     "zero_cache_nvme": ["optim.optimizer=zero_cache", "zero_cache.prefetch_cache_sub_group_rate=auto",
                         f"zero_cache.nvme_path={NVME_DIR}"],
 }
 LABEL = {"megatron": "(a) Megatron distributed optimizer", "megatron_cpu_offload": "(b) Megatron CPU offload",
-         "deepspeed_zero3_offload": "(c) DeepSpeed ZeRO-3 offload", "zero_cache": "(d) ZeRO-Cache GPU+CPU",
+         "deepspeed_zero3_offload": "(c) DeepSpeed ZeRO-3 offload",
+         "deepspeed_zero3_offload_opt": "(c) DeepSpeed ZeRO-3, optimizer offload",
+         "deepspeed_zero2_offload_opt": "(c) DeepSpeed ZeRO-2, optimizer offload", "zero_cache": "(d) ZeRO-Cache GPU+CPU",
          "zero_cache_nvme": "(e) ZeRO-Cache GPU+CPU+NVMe"}
 
 
@@ -81,7 +85,7 @@ def run(args) -> int:
         if (RESULTS / f"{name}.json").exists() and not args.force:
             print(f"{name}: result exists, skipped", flush=True)
             continue
-        runner = "deepspeed" if system == "deepspeed_zero3_offload" else "angelgpt"
+        runner = "deepspeed" if system.startswith("deepspeed_") else "angelgpt"
         if runner == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
             print(f"{name}: DeepSpeed is not installed here (pip install angelgpt[bench]); not run", flush=True)
             continue
