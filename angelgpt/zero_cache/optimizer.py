@@ -3,7 +3,8 @@ updated in a pipeline that overlaps the training compute.
 
 Each data-parallel rank owns a disjoint set of whole parameters (balanced by size). The fp32 master
 weights and Adam moments of what a rank owns live in flat chunks, one per (sub-group, weight-decay
-class), beside a flat gradient buffer in the model's dtype; a sub-group is one transformer layer
+class), beside a flat gradient buffer (fp32 while micro batches add up in fp32,
+optim.accumulate_grads_in_fp32; else the model's dtype); a sub-group is one transformer layer
 (the embedding first, the final norm and output last). Placement puts the first
 ``prefetch_cache_sub_group_rate`` of the state bytes, in forward order, on the compute device (the
 next forward needs the first layers first), the rest in host memory, and what host memory cannot
