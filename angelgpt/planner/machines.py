@@ -109,13 +109,17 @@ _H200_SOURCES = {
                 "ranks on the one GPU); NVLink-class bus bandwidth, unused at one GPU",
     "gpu_tflops": "measured: fitted to the step times of the committed H200 training runs of the 55 shape "
                   "named in H200_STEP_RUNS (6 to 24 layers, Megatron's optimizers and ZeRO-Cache): planned "
-                  "step times average 0.3% under the measured ones (FACTS.md: Megatron GPT forward and "
-                  "backward alone at h=8192 with full recompute 630 hardware TFLOP/s)",
+                  "step times averaged 0.3% under the measured ones; with the host update at its in-training "
+                  "rate (cpu_update_gparams) 0.4% over, 2.8% off in size, 7.7% at worst (FACTS.md: Megatron "
+                  "GPT forward and backward alone at h=8192 with full recompute 630 hardware TFLOP/s)",
     "cpu_adam_gparams": "measured: FACTS.md, 'CPU AdamW, torch fused, fp32, 16 threads: 4.2 G params/s'",
-    "cpu_update_gparams": "measured: scripts/bench_cpu_adam.py with zero_cache.cpu_adam native (bf16 gradient in, "
-                          "bf16 weights out, 64M-element slices, 16 threads): 2.8-3.5 G params/s "
-                          "(benchmarks/results/cpu_adam-67108864-static-split.json, cpu_adam-67108864-t16.json); "
-                          "the low end taken",
+    "cpu_update_gparams": "measured: ZeRO-Cache's host update in training with the CPU alone (weights offloaded, "
+                          "no device updates), the update thread's median time a step after warm-up: 4.83B "
+                          "parameters in 2.01 s (2.41 G params/s, "
+                          "benchmarks/results/peers-zero_cache-L13-mb2-gb32.json) and 8.86B in 3.86 s (2.30, "
+                          "peers-zero_cache-L20-mb2-gb2.json); the low end taken. The "
+                          "kernel alone (scripts/bench_cpu_adam.py, native, 16 threads) ran 2.8-3.5 "
+                          "(cpu_adam-67108864-static-split.json, cpu_adam-67108864-t16.json), more than in training",
 }
 
 
@@ -138,7 +142,8 @@ def _node8(name: str, gpu: str, gpu_mem_gib: float, mem_source: str, host: float
             "cpu_adam_gparams": f"assumed: the H200 host's measured 4.2 G params/s (16 threads, FACTS.md) scaled to "
                                 f"the node's CPUs, {cpu:g} (not measured)",
             "cpu_update_gparams": "assumed: the CPU AdamW figure times the ratio measured on the H200 host "
-                                  "(ZeRO-Cache's host update 2.8 against torch's AdamW 4.2), not measured",
+                                  "(ZeRO-Cache's host update in training 2.3 against torch's AdamW 4.2), not "
+                                  "measured",
         })
 
 
@@ -146,19 +151,19 @@ _SCALED_H200_PCIE = "assumed: the H200's measured 55 GB/s (FACTS.md), each GPU o
 MACHINES: Dict[str, Machine] = {
     "h200": Machine(name="h200", gpu="H200", gpus_per_node=1, gpu_mem_gib=139.8, host_mem_gib=123.4, nvme_gib=64.0,
                     pcie_gbs=55.0, nvme_gbs=2.0, net_gbps=150.0, gpu_tflops=570.0, cpu_adam_gparams=4.2,
-                    cpu_update_gparams=2.8, sources=dict(_H200_SOURCES)),
+                    cpu_update_gparams=2.3, sources=dict(_H200_SOURCES)),
     "h200x8": _node8("h200x8", "H200", 139.8, "measured: the same GPU, FACTS.md '139.8 GiB usable'", 2000.0, 55.0,
                      _SCALED_H200_PCIE, 6.0, 150.0, 570.0,
-                     "assumed: the one-H200 fit (570, measured there) taken for each GPU of the node", 20.0, 13.3),
+                     "assumed: the one-H200 fit (570, measured there) taken for each GPU of the node", 20.0, 11.0),
     "h100x8": _node8("h100x8", "H100", 79.6, "assumed: an 80 GB H100 less what CUDA keeps (not measured)", 2000.0,
                      50.0, "assumed: PCIe gen5 x16 a little under the H200's measured 55 GB/s (not measured)", 6.0,
-                     150.0, 600.0, "assumed: H100 SXM achieved dense bf16 rate (not measured)", 20.0, 13.3),
+                     150.0, 600.0, "assumed: H100 SXM achieved dense bf16 rate (not measured)", 20.0, 11.0),
     "a100-80gx8": _node8("a100-80gx8", "A100", 79.2, "assumed: an 80 GB A100 less what CUDA keeps (not measured)",
                          1000.0, 24.0, "assumed: PCIe gen4 x16 pinned transfers (not measured)", 3.0, 100.0, 240.0,
-                         "assumed: A100 achieved dense bf16 rate (not measured)", 8.0, 5.3),
+                         "assumed: A100 achieved dense bf16 rate (not measured)", 8.0, 4.4),
     "a100-40gx8": _node8("a100-40gx8", "A100", 39.4, "assumed: a 40 GB A100 less what CUDA keeps (not measured)",
                          1000.0, 24.0, "assumed: PCIe gen4 x16 pinned transfers (not measured)", 3.0, 100.0, 240.0,
-                         "assumed: A100 achieved dense bf16 rate (not measured)", 8.0, 5.3),
+                         "assumed: A100 achieved dense bf16 rate (not measured)", 8.0, 4.4),
 }
 
 
@@ -180,8 +185,8 @@ _GENERIC_RATES = {
     "net_gbps": (100.0, "assumed: unknown interconnect, taken as the A100 rows' collective bandwidth"),
     "gpu_tflops": (200.0, "assumed: unknown GPU, taken below every catalogue GPU's achieved rate"),
     "cpu_adam_gparams": (4.2, "assumed: unknown host, taken as the measured 16-core H200 host's (FACTS.md)"),
-    "cpu_update_gparams": (2.8, "assumed: unknown host, taken as the measured 16-core H200 host's "
-                                "(scripts/bench_cpu_adam.py)"),
+    "cpu_update_gparams": (2.3, "assumed: unknown host, taken as the measured 16-core H200 host's "
+                                "(ZeRO-Cache's host update in training)"),
 }
 
 

@@ -57,14 +57,15 @@ HOST_PROCESS = int(1.8 * GIB)
 # ZeRO-Cache's host update with device_update_fraction, measured on the H200 in training (11 and 19 layers
 # of the 55 shape, 1.9B and 8.9B host-resident parameters, 45% and 56% of them updated on the GPU, the
 # one-pass CPU AdamW): the device path ran 2.2-2.7 G params/s (26 bytes a parameter over PCIe, both
-# ways), the CPU beside it 3.0-3.8 (median 3.5), 1.25x the CPU figure above, which is the low end of the
-# kernel's own benchmark; other machines scale with their PCIe and CPU figures. At 19 layers, one
+# ways), the CPU beside it 3.0-3.8 (median 3.5), 1.52x the machine's cpu_update_gparams (on the H200 the
+# CPU alone in training, 2.3, where it writes offloaded layers' weights; beside device updates its chunks
+# are of resident-weight layers); other machines scale with their PCIe and CPU figures. At 19 layers, one
 # machine: 0.45 on the GPU made 421.0 model TFLOP/s against 414.3 at 0.56, the device path still the
 # longer of the two (1.69 against 1.34 s). Runs: peers-zero_cache-L11-mb1-gb32-recomputenone-devupdate0.45.json,
 # peers-zero_cache-L19-mb2-gb32-recomputeauto-devupdate0.45.json,
 # peers-zero_cache-L19-mb2-gb32-recomputeauto-split0.56.json
 DEVICE_UPDATE_PER_PCIE_GBS = 2.55 / 55.0
-CPU_BESIDE_DEVICE_UPDATE = 1.25
+CPU_BESIDE_DEVICE_UPDATE = 1.52
 # zero_cache.cpu_adam torch (fp32 gradient scratch, torch's fused AdamW, weights converted back) against
 # the one-pass kernel, same benchmark: 2.09 against 2.81 G params/s (cpu_adam-67108864-static-split.json)
 TORCH_CPU_UPDATE = 0.74
