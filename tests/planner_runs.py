@@ -9,8 +9,8 @@ whose ranks are checked against the prediction recorded beside them.
 
 Owns: `declared` (that file), `config_of` (the config a bench result ran, rebuilt from its command and
 the settings the run printed), `measured_and_planned` (a bench result's peaks and step time beside the
-plan of its config on the H200's figures), `rehearsal_points` (a rehearsal report's ranks, measured
-beside predicted) and `misses` (what is off by more than TOLERANCE).
+plan of its config on the H200's figures; `gpu_measured_gib` says which GPU figure), `rehearsal_points`
+(a rehearsal report's ranks, measured beside predicted) and `misses` (what is off by more than TOLERANCE).
 """
 
 import json
@@ -84,15 +84,25 @@ def config_of(run: dict, overrides: Tuple[str, ...] = ()):
     return cfg
 
 
+def gpu_measured_gib(allocated_gib: float, reserved_gib: Optional[float]) -> float:
+    """The GPU memory a run took, as the planner counts it: the caching allocator's peak reserved (its
+    slack and cuBLAS's workspace in it) plus the CUDA context, which no torch counter holds; where
+    reserved was not recorded, the peak allocated (the older runs)."""
+    from angelgpt.planner.plan import CUDA_CONTEXT
+
+    return reserved_gib + CUDA_CONTEXT / GIB if reserved_gib else allocated_gib
+
+
 def measured_and_planned(run: dict, overrides: Tuple[str, ...] = ()) -> Tuple[dict, dict, object]:
-    """(measured, planned, plan) of a bench result: peak GPU memory allocated and peak host memory in GiB,
-    median step time in s; the plan on the H200's figures with the chunk size the run had (one chunk per
-    layer before results recorded it). Host memory is sampled between steps, so the planner's in-step
-    transient is not in it. The caller sets placement.CHUNK (see chunk_numel)."""
+    """(measured, planned, plan) of a bench result: peak GPU memory (gpu_measured_gib) and peak host memory
+    in GiB, median step time in s; the plan on the H200's figures with the chunk size the run had (one
+    chunk per layer before results recorded it). Host memory is sampled between steps, so the planner's
+    in-step transient is not in it. The caller sets placement.CHUNK (see chunk_numel)."""
     from angelgpt.planner import MACHINES, plan_for
 
     p = plan_for(config_of(run, overrides), MACHINES["h200"])
-    measured = {"gpu": run["peak_gpu_gib"], "host": run["peak_host_gib"], "step": run["elapsed_ms_median"] / 1000}
+    measured = {"gpu": gpu_measured_gib(run["peak_gpu_gib"], run.get("peak_gpu_reserved_gib")),
+                "host": run["peak_host_gib"], "step": run["elapsed_ms_median"] / 1000}
     planned = {"gpu": p.gpu_total / GIB, "host": (p.host_total - p.host_bytes.get("step_transient", 0)) / GIB,
                "step": p.step_time_s}
     return measured, planned, p
@@ -121,7 +131,7 @@ REHEARSAL_UNCHECKED = ("step",)
 
 def rehearsal_points(report: dict) -> List[Tuple[str, dict, dict, Optional[str]]]:
     """Per rank of a rehearsal report: (label, measured, predicted, failure). Measured: peak GPU memory
-    allocated (a GPU rehearsal only) and peak RSS, in GiB; predicted: the planner's per-rank GPU total
+    (gpu_measured_gib; a GPU rehearsal only) and peak RSS, in GiB; predicted: the planner's per-rank GPU total
     and host bytes recorded beside them. failure: why the rank cannot be compared (it ran out of memory
     or failed where the prediction said it fits), else None."""
     out = []
@@ -134,7 +144,8 @@ def rehearsal_points(report: dict) -> List[Tuple[str, dict, dict, Optional[str]]
             failure = f"{label}: ran out ({why}) where the planner predicted it fits" if p.get("fits") else None
             if failure is None:
                 continue  # predicted not to fit, and did not: nothing to compare
-        measured = {"gpu": m["gpu_peak_allocated_bytes"] / GIB if r.get("device") == "cuda" else None,
+        gpu = gpu_measured_gib(m.get("gpu_peak_allocated_bytes", 0) / GIB, m.get("gpu_peak_reserved_bytes", 0) / GIB)
+        measured = {"gpu": gpu if r.get("device") == "cuda" else None,
                     "host": m.get("host_peak_rss_bytes", 0) / GIB, "step": None}
         predicted = {"gpu": p.get("gpu_total_bytes", 0) / GIB, "host": p.get("host_per_rank_bytes", 0) / GIB,
                      "step": p.get("step_time_s", 0.0)}

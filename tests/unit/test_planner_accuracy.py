@@ -104,29 +104,36 @@ def test_rehearsal_report_matches_its_prediction(path):
     assert off == {}, off
 
 
-def _rank(rank, gpu_gib, rss_gib, pred_gpu_gib, pred_host_gib, fits=True, predicted_fits=True, device="cuda"):
+def _rank(rank, gpu_gib, rss_gib, pred_gpu_gib, pred_host_gib, fits=True, predicted_fits=True, device="cuda",
+          reserved_gib=0.0):
     return {"rank": rank, "stage": "first", "fits": fits, "device": device,
             "ran_out": None if fits else {"resource": "GPU memory", "message": "CUDA out of memory"},
             "measured": {"gpu_peak_allocated_bytes": int(gpu_gib * GIB), "host_peak_rss_bytes": int(rss_gib * GIB),
+                         "gpu_peak_reserved_bytes": int(reserved_gib * GIB),
                          "steps": [{"forward_backward_s": 9.0, "optimizer_step_s": 1.0}]},
             "predicted": {"fits": predicted_fits, "gpu_total_bytes": int(pred_gpu_gib * GIB),
                           "host_per_rank_bytes": int(pred_host_gib * GIB), "step_time_s": 1.0}}
 
 
 def test_rehearsal_comparison_on_a_synthetic_report():
-    """Within 10% passes; 11% off in GPU memory or host memory is a miss; the step time (of the GPU that
-    rehearsed, not the target's) is not compared; a CPU rehearsal compares host memory only; a rank that
-    ran out where the planner said it fits is a failure, one predicted not to fit is not compared."""
+    """Within 10% passes; 11% off in GPU memory or host memory is a miss; the GPU figure is the peak
+    reserved plus the CUDA context where reserved is recorded (allocated 26 GiB alone would miss a plan of
+    30, reserved 28 with the context does not); the step time (of the GPU that rehearsed, not the
+    target's) is not compared; a CPU rehearsal compares host memory only; a rank that ran out where the
+    planner said it fits is a failure, one predicted not to fit is not compared."""
     report = {"ranks": [_rank(0, 36.0, 20.0, 38.0, 21.0),
                         _rank(1, 30.0, 20.0, 33.3, 20.0),
                         _rank(2, 30.0, 20.0, 30.0, 17.7),
                         _rank(3, 0.0, 20.0, 80.0, 19.0, device="cpu"),
                         _rank(4, 39.0, 20.0, 38.0, 20.0, fits=False),
-                        _rank(5, 39.0, 20.0, 45.0, 20.0, fits=False, predicted_fits=False)]}
+                        _rank(5, 39.0, 20.0, 45.0, 20.0, fits=False, predicted_fits=False),
+                        _rank(6, 26.0, 20.0, 30.0, 20.0, reserved_gib=28.0),
+                        _rank(7, 26.0, 20.0, 30.0, 20.0)]}
     points = rehearsal_points(report)
-    assert [label.split()[1] for label, *_ in points] == ["0", "1", "2", "3", "4"]
+    assert [label.split()[1] for label, *_ in points] == ["0", "1", "2", "3", "4", "6", "7"]
     found = {label.split()[1]: (misses(m, p), failure) for label, m, p, failure in points}
     assert found["0"] == ({}, None)
     assert set(found["1"][0]) == {"gpu"} and set(found["2"][0]) == {"host"}
     assert found["3"] == ({}, None)  # GPU memory of a CPU rehearsal not compared
     assert "ran out" in found["4"][1] and "predicted it fits" in found["4"][1]
+    assert found["6"] == ({}, None) and set(found["7"][0]) == {"gpu"}
