@@ -76,13 +76,19 @@ def _gib(b) -> str:
     return f"{b / 2 ** 20:.2f} MiB" if 0 < b < GIB // 100 else f"{b / GIB:.2f} GiB"
 
 
-def _predicted(p, gpus_per_node: int, pp_rank: int) -> dict:
+def _predicted(p, gpus_per_node: int, pp_rank: int, target_tflops: float, here_tflops: Optional[float]) -> dict:
+    """The planner's numbers for the rank, plus its compute time on the GPU the rehearsal runs on (the
+    target's compute scaled by the two GPUs' catalogue rates: what the measured forward-backward time
+    is to be compared with when the rehearsing GPU is not the target's)."""
     host_rank = sum(p.host_bytes.values())
+    compute = p.step_s.get("compute", 0.0)
     return {"for": f"data-parallel rank 0 of pipeline stage {pp_rank} (the planner's per-rank model)",
             "system": p.system, "fits": p.fits, "gpu_bytes": p.gpu_bytes, "gpu_total_bytes": p.gpu_total,
             "host_bytes": p.host_bytes, "host_per_rank_bytes": host_rank, "host_node_bytes": p.host_total,
             "margin_bytes": p.margin, "step_s": p.step_s, "step_time_s": p.step_time_s,
-            "bottleneck": p.bottleneck, "rate": p.rate}
+            "bottleneck": p.bottleneck, "rate": p.rate, "target_gpu_tflops": target_tflops,
+            "here_gpu_tflops": here_tflops,
+            "compute_here_s": compute * target_tflops / here_tflops if here_tflops else None}
 
 
 def _median_after_first(values: List[float]) -> Optional[float]:
@@ -118,9 +124,11 @@ def render_rank(r: dict) -> str:
         fb = _median_after_first([s["forward_backward_s"] for s in steps])
         opt = _median_after_first([s["optimizer_step_s"] for s in steps])
         which = f"median of steps 2-{len(steps)}" if len(steps) > 2 else f"step {len(steps)}"
+        here = p.get("compute_here_s")
+        here = f"compute {here:.4f} s on this GPU, " if here is not None else ""
         lines.append(f"  step  {fb + opt:.4f} s measured (forward-backward {fb:.4f} + optimizer step {opt:.4f}; "
-                     f"{which}; collectives faked)   | predicted compute {p.get('step_s', {}).get('compute', 0):.4f} s, "
-                     f"step {p.get('step_time_s', 0):.4f} s on the target")
+                     f"{which}; collectives faked)   | predicted {here}compute "
+                     f"{p.get('step_s', {}).get('compute', 0):.4f} s, step {p.get('step_time_s', 0):.4f} s on the target")
         prof = steps[-1].get("zero_cache_profile")
         if prof:
             busy = ", ".join(f"{k[:-3]} {v:.1f}" for k, v in prof.items() if k.endswith("_ms") and v
@@ -134,6 +142,36 @@ def render_rank(r: dict) -> str:
     if r.get("error"):
         lines.append(f"  error: {r['error']}")
     return "\n".join(lines)
+
+
+def _commit() -> str:
+    """The angelgpt commit that ran: $ANGELGPT_COMMIT, else TREE/.commit beside the package (a `git archive`
+    tree), else git's HEAD of the checkout, else 'unknown'."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if os.environ.get("ANGELGPT_COMMIT"):
+        return os.environ["ANGELGPT_COMMIT"]
+    if os.path.isfile(os.path.join(root, ".commit")):
+        return open(os.path.join(root, ".commit")).read().strip()
+    try:
+        return subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=10).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _this_machine(on_gpu: bool) -> dict:
+    """What the rehearsal ran on: GPU name and memory, host memory and CPUs, host name."""
+    import platform
+
+    import torch
+
+    from angelgpt.zero_cache.tiers import mem_available_bytes
+
+    out = {"host": platform.node(), "cpus": os.cpu_count(), "host_mem_available_bytes": mem_available_bytes()}
+    if on_gpu:
+        props = torch.cuda.get_device_properties(0)
+        out.update(gpu=props.name, gpu_total_bytes=props.total_memory, torch=torch.__version__)
+    return out
 
 
 def rehearse(cfg, size: Optional[str], config: Optional[str], extra: List[str], on_gpu: bool, nproc_per_node: int,
@@ -166,6 +204,13 @@ def rehearse(cfg, size: Optional[str], config: Optional[str], extra: List[str], 
                           f"({nnodes} x {nproc_per_node}): 0 to {world - 1}")
 
     hw, gpu_total = target_machine(cfg.zero_cache, on_gpu, nproc_per_node, machine, gpu_mem, host_mem)
+    here_tflops = None
+    if on_gpu:  # this GPU's catalogue rate, to put the target's compute time in this GPU's terms
+        import torch
+
+        from angelgpt.planner import describe
+
+        here_tflops = describe(torch.cuda.get_device_properties(0).name, gpu_total, 1, 0, 0).gpu_tflops
     # ZeRO-Cache's host budget per rank: the target node's host memory over its GPUs (or less, if set)
     share = hw.host_mem_gib / nproc_per_node
     zc = cfg.zero_cache
@@ -234,7 +279,8 @@ def rehearse(cfg, size: Optional[str], config: Optional[str], extra: List[str], 
                           host_budget_bytes=int(host_max * GIB), host_share_bytes=int(share * GIB),
                           exit_code=proc.returncode,
                           predicted=_predicted(plan_for(resolved, hw, nproc_per_node, nnodes,
-                                                        pp_rank=where["pp_rank"]), nproc_per_node, where["pp_rank"]))
+                                                        pp_rank=where["pp_rank"]), nproc_per_node, where["pp_rank"],
+                                              hw.gpu_tflops, here_tflops))
             results.append(report)
             print(render_rank(report), flush=True)
             if not report.get("fits"):
@@ -247,7 +293,9 @@ def rehearse(cfg, size: Optional[str], config: Optional[str], extra: List[str], 
                              "and a rehearsal moves no data"}
     print(f"communication (predicted by the planner for the full job, not measured): {network:.4f} s per step "
           f"of data-parallel collectives exposed beyond compute; TP and PP communication not modelled", flush=True)
-    summary = {"rehearsal": {"nnodes": nnodes, "nproc_per_node": nproc_per_node, "world_size": world,
+    summary = {"command": launch.format_command(["angelgpt", *sys.argv[1:]]), "commit": _commit(),
+               "rehearsed_on": _this_machine(on_gpu),
+               "rehearsal": {"nnodes": nnodes, "nproc_per_node": nproc_per_node, "world_size": world,
                              "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
                              "data_parallel_size": dp, "steps": steps, "device": "cuda" if on_gpu else "cpu",
                              "collectives": "fake (no data moved; losses meaningless)"},

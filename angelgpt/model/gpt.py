@@ -119,7 +119,7 @@ def _sequence_parallel_block(cfg: Config, on_gpu: bool, layer: ModuleSpec) -> Mo
         layer_specs=[layer] * layers, layer_norm=SequenceParallelNorm))
 
 
-def layer_spec(cfg: Config, on_gpu: bool) -> ModuleSpec:
+def layer_spec(cfg: Config, on_gpu: bool, defer_layers: bool = False) -> ModuleSpec:
     from megatron.core.models.gpt import gpt_layer_specs
 
     if use_transformer_engine(cfg, on_gpu):
@@ -130,13 +130,21 @@ def layer_spec(cfg: Config, on_gpu: bool) -> ModuleSpec:
     spec.submodules.self_attention.submodules.core_attention = SDPAttention
     if not on_gpu:
         spec.module = _seeded_layer(cfg.train.seed)
+    if defer_layers:
+        from angelgpt.model.deferred import deferred_layer
+
+        spec.module = deferred_layer(spec.module)
     if sequence_parallel(cfg):
         spec = _sequence_parallel_block(cfg, on_gpu, spec)
     return spec
 
 
-def build_gpt(cfg: Config, on_gpu: bool, perform_initialization: bool = True) -> GPTModel:
+def build_gpt(cfg: Config, on_gpu: bool, perform_initialization: bool = True, defer_layers: bool = False) -> GPTModel:
     """Builds this rank's pipeline stage of the GPT; Megatron parallel_state must be initialised.
+
+    defer_layers: the transformer layers are built on the meta device, to be materialized one at a
+    time by whoever places their weights (angelgpt.model.deferred; ZeRO-Cache's store). Not with the
+    transformer-engine spec.
 
     On CPU every TP and PP layout starts from the same weights: each TP shard is cut from full weights
     drawn on one RNG stream, each layer's stream is seeded by its global number, and the last stage's
@@ -147,18 +155,21 @@ def build_gpt(cfg: Config, on_gpu: bool, perform_initialization: bool = True) ->
     from angelgpt.parallel.cpu_schedules import on_cpu
 
     with nullcontext() if on_gpu else on_cpu():
-        model = _gpt_model(cfg, on_gpu, perform_initialization)
+        model = _gpt_model(cfg, on_gpu, perform_initialization, defer_layers)
     if not on_gpu:
         torch.manual_seed(cfg.train.seed + 1)
     if on_gpu:
-        model.cuda(torch.cuda.current_device())
+        device = torch.device("cuda", torch.cuda.current_device())
+        model._apply(lambda t: t if t.is_meta else t.to(device))  # deferred layers stay on 'meta'
     return model
 
 
-def _gpt_model(cfg: Config, on_gpu: bool, perform_initialization: bool) -> GPTModel:
+def _gpt_model(cfg: Config, on_gpu: bool, perform_initialization: bool, defer_layers: bool = False) -> GPTModel:
+    if defer_layers and use_transformer_engine(cfg, on_gpu):
+        raise ConfigError("deferred layer init is not offered with model.transformer_impl 'transformer_engine'")
     return GPTModel(
         config=transformer_config(cfg, on_gpu, perform_initialization),
-        transformer_layer_spec=layer_spec(cfg, on_gpu),
+        transformer_layer_spec=layer_spec(cfg, on_gpu, defer_layers),
         vocab_size=cfg.padded_vocab_size(),
         max_sequence_length=cfg.model.seq_length,
         pre_process=parallel_state.is_pipeline_first_stage(),

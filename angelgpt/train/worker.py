@@ -34,7 +34,10 @@ def build(cfg, on_gpu: bool, beside_store_bytes: int = 0):
     from angelgpt.model.gpt import build_gpt
     from angelgpt.train.optim import CPUDataParallelAdamW, build_megatron_optimizer, build_scheduler
 
-    model = build_gpt(cfg, on_gpu)
+    # ZeRO-Cache on GPU: layers built on the meta device, made real one at a time while its store fills
+    # (a rank's full weights need not fit its GPU, only the resident ones and one offloaded layer)
+    defer = on_gpu and cfg.optim.optimizer == "zero_cache"
+    model = build_gpt(cfg, on_gpu, defer_layers=defer)
     if on_gpu:
         from megatron.core.transformer.module import Float16Module
 
@@ -45,7 +48,10 @@ def build(cfg, on_gpu: bool, beside_store_bytes: int = 0):
         from angelgpt.zero_cache.optimizer import ZeroCacheOptimizer
 
         device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-        optimizer = ZeroCacheOptimizer(model, cfg, device, beside_store_bytes)
+        from angelgpt.model.deferred import materializer
+
+        optimizer = ZeroCacheOptimizer(model, cfg, device, beside_store_bytes,
+                                       materialize=materializer(model, device) if defer else None)
     elif on_gpu:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed import finalize_model_grads

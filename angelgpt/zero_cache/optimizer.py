@@ -44,7 +44,7 @@ them to one another and exposes the `angelgpt.optimizer.Optimizer` contract. The
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -76,15 +76,18 @@ def require_resolved(cfg: Config) -> None:
 class ZeroCacheOptimizer(Optimizer):
     per_layer_checkpoint_keys = True  # states are per parameter of a layer
 
-    def __init__(self, model: torch.nn.Module, cfg: Config, device: torch.device, beside_store_bytes: int = 0):
+    def __init__(self, model: torch.nn.Module, cfg: Config, device: torch.device, beside_store_bytes: int = 0,
+                 materialize: Optional[Callable[[List[torch.nn.Parameter]], None]] = None):
         """cfg must be resolved (no 'auto' in RESOLVED_FIELDS). beside_store_bytes: device memory
         training needs beside the store that the optimizer cannot count (activations and workspace);
-        the capacity check leaves it free on CUDA."""
+        the capacity check leaves it free on CUDA. materialize(params): for a model whose layers were
+        built on the meta device, makes one sub-group's parameters real (called a sub-group at a time
+        while the store fills, so an offloaded layer leaves the device before the next one arrives)."""
         require_resolved(cfg)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.store = Store(named, cfg, device, beside_store_bytes)  # placed (refused here if it does not fit)
         self.weights = Weights(self.store)
-        self.store.allocate(self.weights.release)
+        self.store.allocate(self.weights.release, materialize)
         self.weights.release_offloaded()
         self.update = Update(self.store, self.weights)
         self.gradients = Gradients(self.store, self.weights, self.update)

@@ -251,8 +251,8 @@ class Store:
     def allocate(self, release, materialize=None) -> None:
         """Every chunk's states and gradient buffer in its tier, the scratch and staging buffers, one
         sub-group after another, the last first; release(gi) drops an offloaded layer's weights from the
-        device once its chunks hold them. materialize(gi), when given, makes sub-group gi's weights real
-        first (layers built on the meta device, angelgpt.model.deferred): the device then holds the
+        device once its chunks hold them. materialize(params), when given, makes a sub-group's weights real
+        first (layers built on the meta device, as angelgpt.model.deferred builds them): the device then holds the
         resident layers and one offloaded layer at a time, never the whole model."""
         on_cuda = self.device.type == "cuda"
         self.tiers = {"device": DeviceTier(self.device), "host": HostTier(pin=on_cuda)}
@@ -273,7 +273,7 @@ class Store:
         self._allocate_shared()
         for gi in reversed(range(len(self.sub_groups))):  # last layers first: offloaded ones leave the device
             if materialize is not None:                    # before the first layers' states arrive
-                materialize(gi)
+                materialize(self.sub_groups[gi])
             for c in reversed(self.chunks_of[gi]):
                 self._allocate_chunk(c)
             if self.partitioned[gi]:  # also a layer of which this rank owns nothing

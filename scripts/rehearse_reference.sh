@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Rehearsals of the reference jobs on one GPU (`angelgpt train --rehearse`), one result file each under
+# benchmarks/results/ (rehearse-SIZE-MACHINE[-runN].json, with command, commit and this machine):
+#   55 and 28 as shipped on the reference node (8x A100-40G, 1000 GiB host: --machine a100-40gx8
+#   --host-mem 1000, so the GPU capped at 40 GiB less the CUDA context and ZeRO-Cache's host budget
+#   1000/8 GiB a rank), and 55 on an 8x H200 node (--machine h200x8).
+# From the repository root on the device machine:
+#   source scripts/device_wheels.sh && bash scripts/rehearse_reference.sh [TREE] [CASE ...]
+# CASE: 55-a100-40gx8 (default), 28-a100-40gx8, 55-h200x8. STEPS (default 3) steps a rank; each case is
+# stopped after CASE_S seconds (default 300).
+set -u
+tree=${1:-$PWD}; shift || true
+cases=${*:-55-a100-40gx8 28-a100-40gx8 55-h200x8}
+tree=$(cd "$tree" && pwd)
+export PYTHONPATH=$tree${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
+results=${ANGELGPT_BENCH_OUT:-$PWD/benchmarks/results}
+mkdir -p "$results"
+for c in $cases; do
+  size=${c%%-*}; machine=${c#*-}
+  host=1000; [ "$machine" = h200x8 ] && host=2048
+  name=rehearse-$size-$machine
+  f=$results/$name.json; n=2
+  while [ -e "$f" ]; do f=$results/$name-run$n.json; n=$((n + 1)); done
+  echo "== $c -> $(basename "$f") ($(date -u +%T))"
+  ( cd "$tree" && timeout -k 10 "${CASE_S:-300}" python3 -m angelgpt train --size "$size" --rehearse \
+      --nproc-per-node 8 --machine "$machine" --host-mem "$host" --rehearse-steps "${STEPS:-3}" \
+      --rehearse-report "$f" ) 2>&1 | grep -v "Warning\|warn(" | cut -c1-600 | tail -40
+  echo "exit ${PIPESTATUS[0]}"
+  [ -n "${OUT:-}" ] && [ -f "$f" ] && cp "$f" "$OUT/"
+done

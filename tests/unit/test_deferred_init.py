@@ -1,0 +1,52 @@
+"""Deferred layer init (angelgpt.model.deferred): transformer layers built on the meta device and made real
+one sub-group at a time by ZeRO-Cache's store, so that a rank's whole model never sits on its device.
+On CPU the materialized layers are the ordinary build's, bit for bit."""
+
+import pytest
+import torch
+
+from angelgpt.config import resolve
+from angelgpt.planner import MACHINES, resolve_config
+
+
+def _zero_cache_cfg(*overrides):
+    cfg = resolve("tiny", overrides=["optim.optimizer=zero_cache", "model.num_layers=4", "train.micro_batch_size=2",
+                                     "train.global_batch_size=2", *overrides])
+    cfg, _ = resolve_config(cfg, MACHINES["h200"], 1, 1, False)
+    return cfg
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_a_deferred_build_holds_no_layer_until_the_store_fills_and_then_equals_the_ordinary_build(
+        megatron_single_rank, offload):
+    from angelgpt.model.deferred import materializer
+    from angelgpt.model.gpt import build_gpt
+    from angelgpt.zero_cache.optimizer import ZeroCacheOptimizer
+
+    cfg = _zero_cache_cfg(f"zero_cache.prefetch_cache_sub_group_rate={0.0 if offload else 1.0}",
+                          f"zero_cache.offload_params={str(offload).lower()}", "model.recompute=full")
+    torch.manual_seed(cfg.train.seed)
+    ref = build_gpt(cfg, on_gpu=False)
+    torch.manual_seed(cfg.train.seed)
+    model = build_gpt(cfg, on_gpu=False, defer_layers=True)
+    layer_params = [n for n, _ in model.named_parameters() if ".layers." in n]
+    assert layer_params and all(p.is_meta for n, p in model.named_parameters() if ".layers." in n)
+    assert not any(p.is_meta for n, p in model.named_parameters() if ".layers." not in n)
+
+    seen = []
+    materialize = materializer(model, torch.device("cpu"))
+
+    def spy(params):
+        before = sum(p.is_meta for p in params)
+        materialize(params)
+        seen.append((before, sum(p.is_meta for p in params)))
+
+    opt = ZeroCacheOptimizer(model, cfg, torch.device("cpu"), 0, materialize=spy)
+    assert len(seen) == len(opt.store.sub_groups) and all(after == 0 for _, after in seen)
+    assert sum(before > 0 for before, _ in seen) == cfg.model.num_layers  # one call per layer, each made real
+    assert opt.store.partitioned[1:-1] == [offload] * cfg.model.num_layers
+    with opt.materialized():
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert not p.is_meta and torch.equal(p.detach().cpu(), q.detach()), n
+    opt.close()
+
