@@ -5,6 +5,11 @@ Those allocate on CUDA, so on CPU the same math runs in ``CPUDataParallelAdamW``
 parameters marked ``sequence_parallel`` summed over TP (as Megatron's finalize_model_grads does),
 gradients averaged over data-parallel ranks, the global norm over all model-parallel ranks (TP
 duplicates counted once) clipped, then AdamW on fp32 weights. A non-finite norm skips the step.
+
+Micro batches' gradients add up in the DDP's gradient buffer (main_grad), fp32 with
+optim.accumulate_grads_in_fp32 (DistributedDataParallelConfig's grad_reduce_in_fp32, set where the
+worker wraps the model), from which the distributed optimizer steps; on CPU the model, and so every
+gradient, is fp32.
 """
 
 from __future__ import annotations
