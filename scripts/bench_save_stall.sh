@@ -47,11 +47,17 @@ echo "bench_save_stall: $LAYERS layers, $FREE_GIB GiB free under $SAVE_DIR"
 status=0
 for mode in sync async; do
   async=false; [ "$mode" = async ] && async=true
-  line=$(python3 scripts/bench_train.py --name "save-stall-L$LAYERS-$mode" --size "$SIZE" --iters "$ITERS" \
+  log=$(mktemp)
+  python3 scripts/bench_train.py --name "save-stall-L$LAYERS-$mode" --size "$SIZE" --iters "$ITERS" \
     --warmup 1 --out "$RESULTS" -- model.num_layers="$LAYERS" train.micro_batch_size=2 train.global_batch_size=32 \
     optim.lr_warmup_iters=1 optim.optimizer=zero_cache zero_cache.prefetch_cache_sub_group_rate=auto \
     model.recompute=auto checkpoint.save="$SAVE_DIR" checkpoint.save_interval="$SAVE_AT" \
-    checkpoint.async_save=$async ${EXTRA:-} 2>&1 | tee /dev/stderr | grep "^wrote " | tail -1)
+    checkpoint.async_save=$async ${EXTRA:-} > "$log" 2>&1
+  cat "$log"
+  line=$(grep "^wrote " "$log" | tail -1)
+  # a background write finalized only by the run's last save is in the log, not in the records
+  background=$(grep -o "checkpoint of iteration $SAVE_AT written in the background in [0-9.]* s (finalized in [0-9.]* s)" "$log" | tail -1)
+  rm -f "$log"
   result=${line#wrote }; result=${result%%: *}
   if [ -z "$line" ] || [ ! -f "$result" ]; then
     echo "bench_save_stall.sh: the $mode run wrote no result file" >&2
@@ -59,21 +65,24 @@ for mode in sync async; do
     continue
   fi
   ck_gib=$(du -sb "$SAVE_DIR/iter_$(printf %07d "$SAVE_AT")" 2>/dev/null | awk '{printf "%.2f", $1 / 2^30}')
-  python3 - "$result" "$SAVE_AT" "${ck_gib:-0}" "$FREE_GIB" "$SAVE_DIR" <<'EOF'
-import json, statistics, sys
+  python3 - "$result" "$SAVE_AT" "${ck_gib:-0}" "$FREE_GIB" "$SAVE_DIR" "$background" <<'EOF'
+import json, re, statistics, sys
 path, save_at, ck_gib, free_gib, save_dir = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4]), sys.argv[5]
+logged = re.findall(r"[0-9.]+(?= s)", sys.argv[6])
 r = json.load(open(path))
 recs = {x["iteration"]: x for x in r["records"]}
 events = [x["checkpoint"] for x in r["records"] if x.get("checkpoint", {}).get("save_iteration") == save_at]
 started = next((e for e in events if "stall_s" in e), {})
 finished = next((e for e in events if "write_s" in e), {})
+if not finished and len(logged) == 2:
+    finished = {"write_s": float(logged[0]), "finalize_s": float(logged[1]), "from": "log"}
 before = [recs[i]["elapsed_ms"] for i in recs if r["warmup_iters"] < i <= save_at]
 after = [recs[i]["elapsed_ms"] for i in sorted(recs) if i > save_at]
 r["save"] = {
     "save_iteration": save_at, "async": started.get("async"), "stall_s": started.get("stall_s"),
     "staged_gib": started.get("staged_gib"), "write_s": finished.get("write_s"),
     "finalize_s": finished.get("finalize_s"),
-    "note": None if finished else "finalized by the run's last save (its times are not in the records)",
+    "times_from": finished.get("from", "records") if finished else None,
     "step_ms_before_save_median": statistics.median(before) if before else None,
     "step_ms_after_save": after, "checkpoint_gib": ck_gib, "disk_free_gib_before": free_gib, "save_dir": save_dir,
 }
