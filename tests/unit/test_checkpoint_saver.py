@@ -1,0 +1,55 @@
+"""checkpoint.Saver on one gloo rank: one save in flight (a second finalizes the first before it
+starts), and an asynchronous save without host memory for its copy written synchronously with one line."""
+
+import logging
+
+import pytest
+import torch
+
+
+@pytest.fixture
+def tiny(megatron_single_rank):
+    from angelgpt.config import resolve
+    from angelgpt.planner import MACHINES, resolve_config
+    from angelgpt.train.worker import build
+
+    cfg, _ = resolve_config(resolve("tiny", overrides=["train.device=cpu"]), MACHINES["h200"], 1, 1, on_gpu=False)
+    torch.manual_seed(0)
+    return build(cfg, on_gpu=False)
+
+
+def test_a_second_save_waits_for_the_first(tiny, tmp_path):
+    from angelgpt.train import checkpoint
+
+    model, optimizer, scheduler = tiny
+    saver = checkpoint.Saver(str(tmp_path), {}, None, True, torch.device("cpu"))
+    saver.save(1, 8, model, optimizer, scheduler, asynchronous=True)
+    assert saver.pending[0] == 1 and saver.pending[2].thread is not None  # staged, written by the thread
+    assert checkpoint.latest_iteration(str(tmp_path)) is None and (tmp_path / "iter_0000001.tmp").is_dir()
+    saver.save(2, 16, model, optimizer, scheduler, asynchronous=True)
+    assert checkpoint.latest_iteration(str(tmp_path)) == 1 and checkpoint.verify(tmp_path / "iter_0000001") is None
+    assert saver.pending[0] == 2
+    saver.finalize(blocking=True)
+    assert saver.pending is None and checkpoint.latest_iteration(str(tmp_path)) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000001", "iter_0000002", checkpoint.TRACKER]
+    events = saver.take_events()
+    assert events["save_iteration"] == 2 and events["async"] == 1 and events["staged_gib"] > 0
+    assert events["stall_s"] > 0 and events["write_s"] > 0 and events["finalize_s"] > 0
+
+
+def test_async_save_without_room_for_the_copy_is_written_synchronously(tiny, tmp_path, monkeypatch, caplog):
+    from angelgpt.train import checkpoint
+
+    model, optimizer, scheduler = tiny
+    monkeypatch.setattr(checkpoint, "host_memory_available", lambda: 1024)  # a host with 1 KiB to spare
+    saver = checkpoint.Saver(str(tmp_path), {}, None, True, torch.device("cpu"))
+    with caplog.at_level(logging.WARNING):
+        saver.save(1, 8, model, optimizer, scheduler, asynchronous=True)
+        saver.save(2, 16, model, optimizer, scheduler, asynchronous=True)
+    lines = [r.getMessage() for r in caplog.records if "host-memory copy" in r.getMessage()]
+    assert len(lines) == 1 and "\n" not in lines[0] and "written synchronously" in lines[0], lines
+    assert saver.pending[2].thread is None and saver.pending[2].done()  # written already, nothing staged
+    saver.finalize(blocking=False)  # finalized with the other ranks' at the next boundary
+    assert checkpoint.latest_iteration(str(tmp_path)) == 2 and checkpoint.verify(tmp_path / "iter_0000002") is None
+    events = saver.take_events()
+    assert events["async"] == 0 and events["staged_gib"] == 0
