@@ -15,6 +15,7 @@ Owns: the DCP writer, plan and staged copies of one save, its writer thread and 
 
 from __future__ import annotations
 
+import inspect
 import os
 import threading
 import time
@@ -113,7 +114,10 @@ class WriteJob:
         def local_step():
             self.planner.set_up_planner(state_dict=state_dict, storage_meta=self.writer.storage_meta(),
                                         is_coordinator=self.dist.is_coordinator)
-            self.writer.set_up_storage_writer(self.dist.is_coordinator, rank=self.dist.rank, use_collectives=True)
+            if "kwargs" in inspect.signature(self.writer.set_up_storage_writer).parameters:  # as DCP calls it
+                self.writer.set_up_storage_writer(self.dist.is_coordinator, rank=self.dist.rank, use_collectives=True)
+            else:
+                self.writer.set_up_storage_writer(self.dist.is_coordinator)
             return self.writer.prepare_local_plan(self.planner.create_local_plan())
 
         def global_step(plans):
