@@ -82,13 +82,16 @@ def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class _StagedPlanner:
-    """What the writer asks of the planner, answered from the staged copies."""
+    """The planner, its data answered from the staged copies."""
 
-    def __init__(self, staged: dict):
-        self.staged = staged
+    def __init__(self, planner, staged: dict):
+        self.planner, self.staged = planner, staged
 
     def resolve_data(self, item):
         return self.staged[item.index]
+
+    def __getattr__(self, name):
+        return getattr(self.planner, name)
 
 
 class WriteJob:
@@ -144,7 +147,7 @@ class WriteJob:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
         self.staged_bytes = sum(t.numel() * t.element_size() for t in staged.values() if isinstance(t, torch.Tensor))
-        self.writes_from = _StagedPlanner(staged)
+        self.writes_from = _StagedPlanner(self.planner, staged)
         # staged tensors are on the host already: the writer's device-to-host loader (a CUDA stream,
         # on the writer thread's current device) is not wanted
         self.writer.per_thread_copy_ahead = 0
