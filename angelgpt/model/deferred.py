@@ -71,11 +71,15 @@ def deferred_layer(base: type) -> type:
                 fresh = fresh.to(device)
             # swapped, not assigned: a meta tensor cannot take another device's data, and the store, its
             # hooks and the optimizer hold these very parameter objects
+            # in the skeleton's dtypes: a wrapper (Megatron's Float16Module) may have cast the model after it
+            # was built, norms included, and the fresh layer is built as the spec builds it
             mine = dict(self.named_parameters())
             for name, q in fresh.named_parameters():
+                q.data = q.data.to(mine[name].dtype)
                 torch.utils.swap_tensors(mine[name], q)
             bufs = dict(self.named_buffers())
             for name, b in fresh.named_buffers():
+                b.data = b.data.to(bufs[name].dtype)
                 torch.utils.swap_tensors(bufs[name], b)
             del fresh
 

@@ -50,3 +50,16 @@ def test_a_deferred_build_holds_no_layer_until_the_store_fills_and_then_equals_t
             assert not p.is_meta and torch.equal(p.detach().cpu(), q.detach()), n
     opt.close()
 
+
+
+def test_materialized_layers_take_the_dtype_the_model_was_cast_to(megatron_single_rank):
+    """Megatron's Float16Module casts the built model (norms included) to bf16: a layer materialized
+    afterwards must come out in bf16 too, not in the dtype its norms are built with."""
+    from angelgpt.model.deferred import materializer
+    from angelgpt.model.gpt import build_gpt
+
+    cfg = _zero_cache_cfg()
+    model = build_gpt(cfg, on_gpu=False, defer_layers=True).bfloat16()
+    params = [p for n, p in model.named_parameters() if ".layers." in n]
+    materializer(model, torch.device("cpu"))(params)
+    assert params and all(not p.is_meta and p.dtype == torch.bfloat16 for p in params)
