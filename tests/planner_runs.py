@@ -16,11 +16,9 @@ plan of its config on the H200's figures; `gpu_measured_gib` says which GPU figu
 import json
 import re
 import shlex
-from dataclasses import fields
 from typing import Dict, List, Optional, Tuple
 
 from angelgpt.config import resolve
-from angelgpt.config.schema import OptimConfig
 from tests.helpers import ROOT
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -63,9 +61,10 @@ def config_of(run: dict, overrides: Tuple[str, ...] = ()):
     """The config a bench result ran: its --size and KEY=VALUE overrides from the recorded command, then
     what it printed it settled ('auto' resolved, the optimizer's placement; `_settled`), then `overrides`
     (a reconstruction declared beside the run). A run that recorded no settings gets the in-store
-    accumulation and rate the planner chose for it (recorded under 'predicted'). Every recorded run
-    predates activation offload and optim.accumulate_grads_in_fp32: Megatron's optimizers added up
-    gradients in fp32 (grad_reduce_in_fp32 on), ZeRO-Cache in bf16."""
+    accumulation and rate the planner chose for it (recorded under 'predicted'). A run that recorded its
+    given config ('config') ran with the optim.accumulate_grads_in_fp32 it names; the runs before it
+    predate that field: Megatron's optimizers added up gradients in fp32 (grad_reduce_in_fp32 on),
+    ZeRO-Cache in bf16."""
     words = shlex.split(run["command"])
     size = words[words.index("--size") + 1]
     given = [w for w in words if "=" in w and not w.startswith("-")]
@@ -78,10 +77,10 @@ def config_of(run: dict, overrides: Tuple[str, ...] = ()):
             settled.append(f"zero_cache.prefetch_cache_sub_group_rate={chosen['rate']}")
     words = [*given, *settled, "model.activation_offload=none", *overrides]
     cfg = resolve(size, overrides=words)
-    if "accumulate_grads_in_fp32" in {f.name for f in fields(OptimConfig)}:
-        cfg = resolve(size, overrides=[*words, "optim.accumulate_grads_in_fp32="
-                                       + ("false" if cfg.optim.optimizer == "zero_cache" else "true")])
-    return cfg
+    recorded = ((run.get("config") or {}).get("optim") or {}).get("accumulate_grads_in_fp32")
+    if recorded is None:  # before the field: fp32 for Megatron's optimizers, the model dtype for ZeRO-Cache
+        recorded = cfg.optim.optimizer != "zero_cache"
+    return resolve(size, overrides=[*words, f"optim.accumulate_grads_in_fp32={str(bool(recorded)).lower()}"])
 
 
 def gpu_measured_gib(allocated_gib: float, reserved_gib: Optional[float]) -> float:
@@ -125,8 +124,9 @@ def misses(measured: Dict[str, Optional[float]], planned: Dict[str, float], skip
 
 
 # A rehearsal runs on whatever GPU rehearses the target, with its collectives faked: its step time is not
-# the target's, so only memory is compared (and whether a rank fits)
-REHEARSAL_UNCHECKED = ("step",)
+# the target's. What is compared is its compute: the median forward-backward time of steps 2.. against
+# the planner's compute time on the GPU that rehearsed (the report's compute_here_s: the target's compute
+# scaled by the two GPUs' catalogue rates); reports without it compare memory only.
 
 
 def rehearsal_points(report: dict) -> List[Tuple[str, dict, dict, Optional[str]]]:
@@ -145,9 +145,12 @@ def rehearsal_points(report: dict) -> List[Tuple[str, dict, dict, Optional[str]]
             if failure is None:
                 continue  # predicted not to fit, and did not: nothing to compare
         gpu = gpu_measured_gib(m.get("gpu_peak_allocated_bytes", 0) / GIB, m.get("gpu_peak_reserved_bytes", 0) / GIB)
+        fb = [s.get("forward_backward_s") for s in (m.get("steps") or [])][1:]
+        fb = sorted(v for v in fb if v is not None)
+        compute = fb[len(fb) // 2] if fb and p.get("compute_here_s") is not None else None
         measured = {"gpu": gpu if r.get("device") == "cuda" else None,
-                    "host": m.get("host_peak_rss_bytes", 0) / GIB, "step": None}
+                    "host": m.get("host_peak_rss_bytes", 0) / GIB, "step": compute}
         predicted = {"gpu": p.get("gpu_total_bytes", 0) / GIB, "host": p.get("host_per_rank_bytes", 0) / GIB,
-                     "step": p.get("step_time_s", 0.0)}
+                     "step": p.get("compute_here_s") or 0.0}
         out.append((label, measured, predicted, failure))
     return out

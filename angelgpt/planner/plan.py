@@ -48,6 +48,10 @@ MODEL_BYTES = 2  # bf16 weights and gradients on GPU
 # assumed: a round allowance for cuBLAS workspace, NCCL buffers and allocator slack, never fitted to a run
 WORKSPACE = 3 * GIB  # cuBLAS workspace, NCCL buffers, allocator slack
 # assumed: what a CUDA context takes on the H200, never recorded in a committed result file
+# each direction's share of the pinned rate when host-to-device and device-to-host copies run at once
+# (measured: ../shared/FACTS.md, the H200 machine: 97.1 GB/s both directions together against 55.3 alone;
+# assumed the same elsewhere)
+PCIE_DUPLEX_SHARE = 97.1 / (2 * 55.3)
 CUDA_CONTEXT = 1 * GIB  # taken before anything is allocated (not in torch.cuda.mem_get_info's free)
 # the Python process with torch, CUDA and Megatron loaded: 1.7-1.8 GiB measured as the peak host memory of
 # runs that keep nothing on the host (peers-megatron-L7-mb4-gb32.json, peers-zero_cache-L7-mb4-gb32.json)
@@ -431,7 +435,8 @@ def plan_zero_cache(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int
         # (pipelined over the slots), behind the micro batch's backward; measured at 19 layers, 16 micro
         # batches: hidden (the step 2.6 s over compute, 2.0 s of it the update;
         # peers-zero_cache-L19-mb2-gb32.json)
-        trip = off_numel * g / (hw.pcie_gbs * 1e9)
+        # the sums go up and come down at once: each direction at its share of both directions' rate
+        trip = off_numel * g / (hw.pcie_gbs * PCIE_DUPLEX_SHARE * 1e9)
         transfers += (mb - 1) * max(0.0, trip - bwd_last)
     update = max(cpu, nvme_io)  # NVMe reads and writes are double buffered beside the CPU update
     exposed_update = max(0.0, update - fwd_first) if zc.pipeline_optimizer else update

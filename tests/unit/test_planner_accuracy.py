@@ -91,36 +91,50 @@ def _rehearsal_reports():
     return sorted(ROOT.glob(RUNS["rehearsals"]))
 
 
-@pytest.mark.parametrize("path", _rehearsal_reports(), ids=lambda p: p.stem)
+def _rehearsal_params():
+    known = RUNS.get("rehearsal_misses", {})
+    return [pytest.param(p, marks=pytest.mark.xfail(strict=True, reason=known[p.name]["why"]))
+            if p.name in known else p for p in _rehearsal_reports()]
+
+
+@pytest.mark.parametrize("path", _rehearsal_params(), ids=lambda p: p.stem)
 def test_rehearsal_report_matches_its_prediction(path):
     """Every committed rehearsal report: each rank's peak GPU memory and host memory within the same
-    tolerances of the planner's per-rank prediction recorded beside it (none committed yet is fine)."""
+    tolerances of the planner's per-rank prediction recorded beside it, and its compute (forward-backward)
+    time within the step tolerance of the planner's compute time on the GPU that rehearsed. A miss the
+    planner is known to make is declared, with why, under 'rehearsal_misses' (a strict xfail: it fails
+    once the planner no longer misses it)."""
     off = {}
     for label, measured, predicted, failure in rehearsal_points(json.loads(path.read_text())):
         assert failure is None, failure
         miss = misses(measured, predicted)
         if miss:
             off[label] = miss
+    known = RUNS.get("rehearsal_misses", {}).get(path.name)
+    if known:  # only the quantities declared may miss
+        assert set().union(*[set(m) for m in off.values()]) <= set(known["quantities"]), off
     assert off == {}, off
 
 
 def _rank(rank, gpu_gib, rss_gib, pred_gpu_gib, pred_host_gib, fits=True, predicted_fits=True, device="cuda",
-          reserved_gib=0.0):
+          reserved_gib=0.0, fb=(9.0,), compute_here=None):
     return {"rank": rank, "stage": "first", "fits": fits, "device": device,
             "ran_out": None if fits else {"resource": "GPU memory", "message": "CUDA out of memory"},
             "measured": {"gpu_peak_allocated_bytes": int(gpu_gib * GIB), "host_peak_rss_bytes": int(rss_gib * GIB),
                          "gpu_peak_reserved_bytes": int(reserved_gib * GIB),
-                         "steps": [{"forward_backward_s": 9.0, "optimizer_step_s": 1.0}]},
+                         "steps": [{"forward_backward_s": v, "optimizer_step_s": 0.1} for v in fb]},
             "predicted": {"fits": predicted_fits, "gpu_total_bytes": int(pred_gpu_gib * GIB),
-                          "host_per_rank_bytes": int(pred_host_gib * GIB), "step_time_s": 1.0}}
+                          "host_per_rank_bytes": int(pred_host_gib * GIB), "step_time_s": 1.0,
+                          "compute_here_s": compute_here}}
 
 
 def test_rehearsal_comparison_on_a_synthetic_report():
     """Within 10% passes; 11% off in GPU memory or host memory is a miss; the GPU figure is the peak
     reserved plus the CUDA context where reserved is recorded (allocated 26 GiB alone would miss a plan of
-    30, reserved 28 with the context does not); the step time (of the GPU that rehearsed, not the
-    target's) is not compared; a CPU rehearsal compares host memory only; a rank that ran out where the
-    planner said it fits is a failure, one predicted not to fit is not compared."""
+    30, reserved 28 with the context does not); the median forward-backward time of steps 2.. is compared
+    with the planner's compute time on the GPU that rehearsed (within 15%), and not at all where the
+    report has none; a CPU rehearsal compares host memory only; a rank that ran out where the planner
+    said it fits is a failure, one predicted not to fit is not compared."""
     report = {"ranks": [_rank(0, 36.0, 20.0, 38.0, 21.0),
                         _rank(1, 30.0, 20.0, 33.3, 20.0),
                         _rank(2, 30.0, 20.0, 30.0, 17.7),
@@ -128,12 +142,15 @@ def test_rehearsal_comparison_on_a_synthetic_report():
                         _rank(4, 39.0, 20.0, 38.0, 20.0, fits=False),
                         _rank(5, 39.0, 20.0, 45.0, 20.0, fits=False, predicted_fits=False),
                         _rank(6, 26.0, 20.0, 30.0, 20.0, reserved_gib=28.0),
-                        _rank(7, 26.0, 20.0, 30.0, 20.0)]}
+                        _rank(7, 26.0, 20.0, 30.0, 20.0),
+                        _rank(8, 30.0, 20.0, 30.0, 20.0, fb=(30.0, 10.0, 10.5, 11.0), compute_here=12.0),
+                        _rank(9, 30.0, 20.0, 30.0, 20.0, fb=(30.0, 10.0, 10.5, 11.0), compute_here=13.0)]}
     points = rehearsal_points(report)
-    assert [label.split()[1] for label, *_ in points] == ["0", "1", "2", "3", "4", "6", "7"]
+    assert [label.split()[1] for label, *_ in points] == ["0", "1", "2", "3", "4", "6", "7", "8", "9"]
     found = {label.split()[1]: (misses(m, p), failure) for label, m, p, failure in points}
     assert found["0"] == ({}, None)
     assert set(found["1"][0]) == {"gpu"} and set(found["2"][0]) == {"host"}
     assert found["3"] == ({}, None)  # GPU memory of a CPU rehearsal not compared
     assert "ran out" in found["4"][1] and "predicted it fits" in found["4"][1]
     assert found["6"] == ({}, None) and set(found["7"][0]) == {"gpu"}
+    assert found["8"] == ({}, None) and found["9"][0] == {"step": (10.5, 13.0)}  # 14% and 24% off
