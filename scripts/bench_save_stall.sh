@@ -19,7 +19,7 @@
 #   SIZE=tiny LAYERS=2 EXTRA="train.device=cpu" bash scripts/bench_save_stall.sh
 set -u
 cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
+export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # bench_train.py imports angelgpt from this tree
 SIZE=${SIZE:-h200-16b}
 RESULTS=${RESULTS:-benchmarks/results}
 ITERS=${ITERS:-6}

@@ -83,12 +83,12 @@ def commit(root=ROOT) -> str:
 def given_config(size: str, overrides) -> dict:
     """Every field of the config the run was given ('auto' as given; the run's `settings` lines say
     what it resolved to), so that a default that changes later is still on record."""
-    from angelgpt.config import resolve, to_dict
-
     try:
+        from angelgpt.config import resolve, to_dict
+
         return to_dict(resolve(size, None, list(overrides)))
-    except Exception as exc:  # the run itself reports bad input
-        return {"error": str(exc)}
+    except Exception as exc:  # the run itself reports bad input; angelgpt not importable here: said so
+        return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 def predicted(size: str, overrides, machine_info: dict) -> dict:
