@@ -154,3 +154,25 @@ def test_rehearsal_comparison_on_a_synthetic_report():
     assert "ran out" in found["4"][1] and "predicted it fits" in found["4"][1]
     assert found["6"] == ({}, None) and set(found["7"][0]) == {"gpu"}
     assert found["8"] == ({}, None) and found["9"][0] == {"step": (10.5, 13.0)}  # 14% and 24% off
+
+
+def test_the_readme_rehearsal_table_holds_what_its_files_say():
+    """README's table of rehearsals: each row's figures are those of the result file named in it."""
+    import statistics
+
+    text = (ROOT / "README.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| ") and "`rehearse-" in line]
+    assert rows
+    for row in rows:
+        name = re.search(r"`(rehearse-[\w.-]+\.json)`", row).group(1)
+        report = json.loads((RESULTS / name).read_text())
+        r = report["ranks"][0]
+        m, p = r["measured"], r["predicted"]
+        fb = statistics.median(s["forward_backward_s"] for s in m["steps"][1:])
+        expected = [f"{m['gpu_peak_allocated_bytes'] / GIB:.2f} / {m['gpu_peak_reserved_bytes'] / GIB:.2f} GiB "
+                    f"(cap {r['gpu_cap_bytes'] / GIB:.2f})", f"{p['gpu_total_bytes'] / GIB:.2f} GiB",
+                    f"{m['host_peak_rss_bytes'] / GIB:.2f} GiB", f"{p['host_per_rank_bytes'] / GIB:.2f} GiB",
+                    f"{fb:.2f} s", f"{p['compute_here_s']:.2f} s", f"({report['commit'][:7]})"]
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[2:8] + [cells[8].split()[-1]] == expected, (name, cells)
+        assert r["fits"] and report["fits"]
