@@ -5,7 +5,7 @@ The rule the test holds them to (tests/unit/test_bench_report.py): every number 
 spans appears in the first result file named after it. So a figure is written in the unit its file
 holds (TFLOP/s, GiB, ms, fractions as fractions), a ratio of two files is left to the goal table, and
 a claim no committed file holds is not made. A note names a case (a file's name without `.json`);
-the newest run of that case fills it.
+the newest run of that case fills it; a file's name with `.json` names that run of its case.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ ALIASES = {"tflops": "tflops_per_gpu_median", "gpu": "peak_gpu_gib", "host": "pe
 
 
 def value(r: dict, key: str):
-    """One figure of a result file: a field (dotted for nested ones; aliases above), `arg:KEY` (the
+    """One figure of a result file: a field (dotted for nested ones, a list's item by its index; aliases
+    above), `arg:KEY` (the
     last value the command gave KEY), `profile.KEY` (median after warm-up of ZeRO-Cache's per-step
     profile), `log:REGEX` (its first group in the log's tail), `refused:gpu`/`refused:host` (what the
     planner found short), `rate`, `device_update_fraction`, `planned_step_s` and `recomputed` (how many
@@ -52,7 +53,7 @@ def value(r: dict, key: str):
             int(re.search(r"first (\d+) layers", r["predicted"]["recompute"]).group(1))
     out = r
     for part in ALIASES.get(key, key).split("."):
-        out = out[part]
+        out = out[int(part)] if isinstance(out, list) else out[part]  # records.-1.lm_loss: the last record's
     return out
 
 
@@ -64,6 +65,11 @@ class Figures:
         self.cases = cases  # {case: [(path, result), ...]}, oldest first
 
     def run(self, case: str):
+        if case.endswith(".json"):  # that run of its case, not the newest
+            found = [fr for fr in self.cases.get(re.sub(r"-run\d+$", "", case[:-5]), []) if fr[0].name == case]
+            if not found:
+                raise KeyError(case)
+            return found[0]
         if case not in self.cases:
             raise KeyError(case)
         return self.cases[case][-1]
@@ -89,6 +95,7 @@ RATE = "arg:zero_cache.prefetch_cache_sub_group_rate"
 PEAK_AT_TRAINING = r"training \(host peak ([\d.]+) GiB\)"
 DS = "peers-deepspeed_zero3_offload-L{}-mb8-gb32{}"
 MEG7, ZC7 = "peers-megatron-L7-mb{}-gb32{}", "peers-zero_cache-L7-mb2-gb32-recomputenone"
+MEG7R1 = "peers-megatron-L7-mb2-gb32-recomputenone.json"  # the first run of its case
 B11 = "peers-megatron_cpu_offload-L11-mb{}-gb32{}"
 ZC11 = "peers-zero_cache-L11-mb1-gb32-recomputenone{}"
 ZC19 = "peers-zero_cache-L19-mb2-gb32{}"
@@ -97,8 +104,8 @@ ZC19 = "peers-zero_cache-L19-mb2-gb32{}"
 def configurations(f) -> str:
     from scripts.bench_peers import LABEL, SYSTEMS
 
-    said = "; ".join(f"{LABEL[s]}: {', '.join(f'`{o}`' for o in SYSTEMS[s]) or '`scripts/bench_deepspeed.py`'}"
-                     for s in SYSTEMS)
+    said = "; ".join(f"{LABEL[s]}: " + ", ".join((["`scripts/bench_deepspeed.py`"] if s.startswith("deepspeed") else [])
+                                                  + [f"`{o}`" for o in SYSTEMS[s]]) for s in SYSTEMS)
     return ("Configurations: every case is the `h200-16b` preset (the layer shape of the `55` preset, bf16, mock data) "
             "with `model.num_layers` set, trained by `angelgpt train` with the case's micro and global batch, "
             f"`optim.lr_warmup_iters=1` and these settings: {said}. The settings column of the runs table says "
@@ -123,14 +130,24 @@ def deepspeed(f) -> str:
             f"{f.layers(L7)} layers made {f(L7, 'tflops')} with full recompute {f.cite(L7)} and "
             f"{f(L7N, 'tflops')} without, at {f(L7N, 'gpu')} GiB GPU and {f(L7N, 'host')} GiB host {f.cite(L7N)}: "
             "the parameters cross PCIe from pageable memory every micro batch, so recomputing costs it little. "
-            f"{f.layers(L8)} layers ran out of host memory {f.cite(L8)}.")
+            f"{f.layers(L8)} layers ran out of host memory {f.cite(L8)}. These runs predate commit 81eaaa6, "
+            "from which `scripts/bench_deepspeed.py` trains what angelgpt trains: Megatron's mock-dataset batches "
+            "through angelgpt's data path (it had drawn uniform random tokens), angelgpt's LR schedule (the LR "
+            "had stayed constant), biases and norms without weight decay, the loss over the loss mask and "
+            "Megatron's fused QKV row order; so their losses are not comparable with angelgpt's: on random "
+            f"tokens the {f.layers(L7)}-layer run ended at {f(L7, 'records.-1.lm_loss', '{:.2f}')} "
+            f"{f.cite(L7)} where (a) ended at {f(MEG7R1, 'records.-1.lm_loss', '{:.2f}')} after as many steps "
+            f"{f.cite(MEG7R1)}. DeepSpeed's two optimizer-offload configurations, ZeRO-3 with the parameters on "
+            "the GPU (`deepspeed_config=zero3_offload_opt`) and ZeRO-2 (`deepspeed_config=zero2_offload_opt`), "
+            "have not been run on a GPU yet.")
 
 
 def recompute(f) -> str:
     A2, A1, A4 = MEG7.format(2, "-recomputenone"), MEG7.format(1, "-recomputenone"), MEG7.format(4, "")
     B1, B2 = B11.format(1, "-recomputenone"), B11.format(2, "")
     return ("Recompute and micro batch: every system may pick its micro batch and `model.recompute` (the "
-            "preset recomputes every layer); the speed ratios take each system's fastest run at a size. "
+            "preset recomputes every layer); the speed ratios take each side's fastest run at a size within "
+            "the newest device call that has runs on both sides. "
             f"At {f.layers(A2)} layers (a) made {f(A2, 'tflops')} TFLOP/s at micro batch {f.mb(A2)} without "
             f"recompute {f.cite(A2)}, {f(A1, 'tflops')} at micro batch {f.mb(A1)} {f.cite(A1)} and "
             f"{f(A4, 'tflops')} recomputing every layer at micro batch {f.mb(A4)} {f.cite(A4)}; (d) made "
@@ -155,8 +172,9 @@ def megatron_cpu_offload(f) -> str:
 
 def zero_cache_11(f) -> str:
     R78, R81, R79 = ZC11.format("-rate0.78"), "zero_cache-L11-rate0.81-allocator-retries", ZC11.format("-rate0.79")
-    DEV, AUTO = ZC11.format("-devupdate0.45"), ZC11.format("")
-    return (f"(d) at {f.layers(AUTO)} layers without recompute keeps the share "
+    DEV, AUTO = ZC11.format("-devupdate0.45"), ZC11.format("") + ".json"
+    return (f"(d) at {f.layers(AUTO)} layers without recompute, in runs that added up the micro batches' "
+            "gradients in bf16 (before commit da83288), keeps the share "
             "`zero_cache.prefetch_cache_sub_group_rate` "
             "of the states on the GPU and updates the share `zero_cache.device_update_fraction` of the "
             "host-resident states on the GPU, the CPU the rest; the host update starts once backward has given "
@@ -179,10 +197,12 @@ def zero_cache_11(f) -> str:
 
 
 def zero_cache_19(f) -> str:
-    AUTO, DEV, S56, S61 = (ZC19.format(s) for s in ("-recomputeauto", "-recomputeauto-devupdate0.45",
+    AUTO, DEV, S56, S61 = (ZC19.format(s) for s in ("-recomputeauto.json", "-recomputeauto-devupdate0.45",
                                                      "-recomputeauto-split0.56", "-recomputeauto-split0.61"))
     FULL, PLAIN = ZC19.format("-recomputefull"), ZC19.format("")
-    return (f"(d) at {f.layers(AUTO)} layers and global batch {f(AUTO, 'arg:train.global_batch_size', '{}')}: "
+    return (f"(d) at {f.layers(AUTO)} layers and global batch {f(AUTO, 'arg:train.global_batch_size', '{}')} "
+            "with the micro batches' gradients added up in bf16, as every run before commit da83288 added them "
+            "up and as the opt-out `optim.accumulate_grads_in_fp32=false` still does: "
             "the activations fit only with recompute"
             + (", and the micro batches' gradients accumulate in the store (`zero_cache.accumulate_in_store`), "
                "each host chunk's running sum going up to a device slot, getting the new gradients added and "
@@ -230,7 +250,8 @@ def largest(f) -> str:
             f"the GPU), and the step waits {f(G2, 'profile.exposed_wait_update_ms', '{:.0f}')} ms of its "
             f"{f(G2, 'step_ms', '{:.0f}')} ms for that update, at {f(G2, 'tflops')} TFLOP/s {f.cite(G2)}; "
             f"{f(Q, 'tflops')} with one CUDA hardware queue {f.cite(Q)}. At global batch "
-            f"{f(M2, 'arg:train.global_batch_size', '{}')}, {f.layers(M2)} layers were refused before launch: "
+            f"{f(M2, 'arg:train.global_batch_size', '{}')} with bf16 sums, {f.layers(M2)} layers were refused "
+            "before launch: "
             f"the planner's closest placement was short of {f(M2, 'refused:gpu')} GiB GPU and "
             f"{f(M2, 'refused:host')} GiB host memory at micro batch {f.mb(M2)} {f.cite(M2)}, of "
             f"{f(M1, 'refused:gpu')} and {f(M1, 'refused:host')} GiB at micro batch {f.mb(M1)} {f.cite(M1)}: "
@@ -240,6 +261,35 @@ def largest(f) -> str:
             + ", ".join(f"{what} {f(c, 'tflops')} {f.cite(c)}" for what, c in earlier)
             + f"; and {f.layers(W)} layers with offloaded weights fetched every micro batch, "
               f"{f(W, 'tflops')} {f.cite(W)}.")
+
+
+def fp32_sums(f) -> str:
+    A, D7, B, D11 = (MEG7.format(2, "-recomputenone"), ZC7, B11.format(1, "-recomputenone"),
+                     ZC11.format(""))
+    OLD, R19, D16 = ZC11.format("") + ".json", ZC19.format("-recomputeauto"), "peers-zero_cache-L16-mb2-gb32-recomputeauto"
+    return ("The goal runs with fp32 sums (`optim.accumulate_grads_in_fp32`, the default since commit da83288) "
+            f"come from one device call, `{f(D16, 'call', '{}')}`, at commit {f(D16, 'commit', '{:.7}')}: at "
+            f"{f.layers(A)} layers (a) made {f(A, 'tflops')} TFLOP/s {f.cite(A)} and (d) {f(D7, 'tflops')} "
+            f"{f.cite(D7)}; at {f.layers(B)} layers (b) made {f(B, 'tflops')} {f.cite(B)} and (d) "
+            f"{f(D11, 'tflops')}, the planner keeping the share {f(D11, 'rate', '{}')} of the states on the GPU, "
+            f"so that the CPU's share of the host update took {f(D11, 'profile.update_thread_ms', '{:.0f}')} ms a "
+            f"step, the GPU's {f(D11, 'profile.device_update_thread_ms', '{:.0f}')} ms, and the step waited "
+            f"{f(D11, 'profile.exposed_wait_update_ms', '{:.0f}')} ms for them, at {f(D11, 'host')} GiB host "
+            f"{f.cite(D11)}, where with bf16 sums it had kept {f(OLD, 'rate', '{}')} on the GPU and waited "
+            f"{f(OLD, 'profile.exposed_wait_update_ms', '{:.0f}')} ms at {f(OLD, 'host')} GiB host {f.cite(OLD)}. At {f.layers(R19)} layers and global batch "
+            f"{f(R19, 'arg:train.global_batch_size', '{}')} the planner refused (d) before launch, short of "
+            f"{f(R19, 'refused:gpu')} GiB GPU and {f(R19, 'refused:host')} GiB host memory {f.cite(R19)}; at "
+            f"{f.layers(D16)} layers, recomputing the first {f(D16, 'recomputed', '{}')} at rate "
+            f"{f(D16, 'rate', '{}')}, it made {f(D16, 'tflops')} TFLOP/s, a {f(D16, 'step_ms', '{:.0f}')} ms step "
+            f"(the planner then expected {f(D16, 'planned_step_s', '{:.2f}')} s; since commit 13f5c71 it counts "
+            "the fp32 sums' round trips at the rate the two PCIe directions share), "
+            f"{f(D16, 'gpu')} GiB GPU and {f(D16, 'host')} GiB host at peak {f.cite(D16)}. That run ran in the "
+            "next command on the same held machine, not in the same command: it carries the call of the runs "
+            "before it and the same machine and boot, so the goal table takes it as the same call. (a) at "
+            f"{f.layers('peers-megatron-L8-mb2-gb32')} layers was refused at micro batch "
+            f"{f.mb('peers-megatron-L8-mb2-gb32')}, short of {f('peers-megatron-L8-mb2-gb32', 'refused:gpu')} GiB "
+            f"GPU {f.cite('peers-megatron-L8-mb2-gb32')}, and at micro batch {f.mb('peers-megatron-L8-mb1-gb32')} "
+            f"{f.cite('peers-megatron-L8-mb1-gb32')}.")
 
 
 def hardware_queues(f) -> str:
@@ -277,5 +327,5 @@ def profile(f) -> str:
             "time. The slot wait is the backward thread's wait on the CPU, not idle GPU time.")
 
 
-NOTES = [configurations, deepspeed, recompute, megatron_cpu_offload, zero_cache_11, zero_cache_19, largest,
-         hardware_queues, nvme, losses, profile]
+NOTES = [configurations, deepspeed, recompute, fp32_sums, megatron_cpu_offload, zero_cache_11, zero_cache_19,
+         largest, hardware_queues, nvme, losses, profile]

@@ -4,7 +4,9 @@ What it owns: reading the result files under benchmarks/results/ (the newest run
 run again is NAME-runN.json beside NAME.json, and the earlier runs get a table of their own), the
 tables (runs, largest size per system, goals, ZeRO-Cache's time profile), the same-call check behind
 every goal ratio (two files compare only when they share `call` and `machine`: scripts/bench_train.py
-records both), and the notes: each note a template whose every figure is read from the result file
+records both), how each run's micro batches' gradients added up (ZeRO-Cache's runs before commit da83288
+added up in bf16; `optim.accumulate_grads_in_fp32`, fp32, is the default since: a system's largest size
+and the goals take runs of the default, the bf16 runs are shown as the opt-out's), and the notes: each note a template whose every figure is read from the result file
 named beside it (in backticks, after the figures it holds), so that no figure outlives its file.
 Notes live in scripts/bench_notes.py.
 """
@@ -27,6 +29,29 @@ from scripts.bench_peers import LABEL, SYSTEMS  # noqa: E402
 NOTABLE = ("model.recompute", "zero_cache.prefetch_cache_sub_group_rate", "optim.offload_fraction",
            "zero_cache.accumulate_in_store", "zero_cache.offload_params", "zero_cache.device_update_fraction",
            "zero_cache.nvme_path", "zero_cache.cpu_adam", "optim.accumulate_grads_in_fp32")
+
+
+# commit da83288 made optim.accumulate_grads_in_fp32 (true) the default; ZeRO-Cache's runs before it added up
+# micro batches' gradients in bf16, Megatron's optimizers always in fp32 (grad_reduce_in_fp32)
+FP32_SUMS_SINCE = "2026-12-04T05:38:52Z"
+SUMS = {"fp32": "fp32", "bf16": "bf16 (`optim.accumulate_grads_in_fp32=false`; the default before da83288)",
+        "none": "none (one micro batch a step)", None: "-"}
+
+
+def sums(r: dict, system: str, mb: int, gb: int):
+    """How a run's micro batches' gradients added up: 'none' (one micro batch a step), 'fp32' or 'bf16' as
+    its config or command gave it, else as the default was on its date; None for DeepSpeed's runs."""
+    if system.startswith("deepspeed"):
+        return None
+    if gb // mb == 1:
+        return "none"
+    given = ((r.get("config") or {}).get("optim") or {}).get("accumulate_grads_in_fp32")
+    said = re.findall(r"(?:^| )optim\.accumulate_grads_in_fp32=(\S+)", r.get("command", ""))
+    if given is None and said:
+        given = said[-1].lower() in ("true", "1", "yes")
+    if given is None:
+        given = system.startswith("megatron") or r.get("date", "") >= FP32_SUMS_SINCE
+    return "fp32" if given else "bf16"
 
 
 def case_of(path: Path) -> str:
@@ -86,7 +111,7 @@ def row(f: Path, r: dict) -> dict:
                 oom_kind=r.get("oom_kind"), refused=r.get("refused"), commit=r.get("commit", "")[:10],
                 date=r.get("date", ""), call=r.get("call") or "unknown", step_ms=r.get("elapsed_ms_median"),
                 profile={k: statistics.median(p[k] for p in profiles) for k in profiles[0]} if profiles else None,
-                settings=settings(r))
+                settings=settings(r), sums=sums(r, system, mb, gb))
 
 
 def outcome(r) -> str:
@@ -100,9 +125,14 @@ def fmt(v, f):
     return f.format(v) if v is not None else "-"
 
 
+def current(r) -> bool:
+    """Whether a run trained as the default trains now (not with bf16 sums)."""
+    return r["sums"] != "bf16"
+
+
 def run_line(r, extra: str = "") -> str:
     return (f"| {LABEL.get(r['system'], r['system'])} | {r['layers']} | {r['params'] / 1e9:.2f}B | {r['mb']} / "
-            f"{r['gb']} | {r['settings']} | {r['steps']}{outcome(r)} | {fmt(r['tflops'], '{:.1f}')} | "
+            f"{r['gb']} | {r['settings']} | {SUMS[r['sums']].split(' (')[0]} | {r['steps']}{outcome(r)} | {fmt(r['tflops'], '{:.1f}')} | "
             f"{fmt(r['tokens'], '{:,.0f}')} | {fmt(r['gpu'], '{:.1f}')} | {fmt(r['host'], '{:.1f}')} | "
             f"{r['call']} | `{r['file']}` |{extra}")
 
@@ -122,7 +152,9 @@ def pick(xs, ys, figure):
     return max(xs, key=figure), max(ys, key=figure)
 
 
-def goals_table(rows, best) -> list:
+def goals_table(rows, best, best_any, opt_out) -> list:
+    """The goal lines: ZeRO-Cache's runs of the default (fp32 sums) at the peers' global batch, then its
+    largest at any global batch and its bf16-sum opt-out's largest, each said so."""
     out = []
 
     def line(what, goal, x, y=None, constant=None):
@@ -137,39 +169,48 @@ def goals_table(rows, best) -> list:
         verdict = ("met" if value >= goal else "missed") if check in ("same call", "one run") else "not a goal result"
         out.append(f"| {what} | {goal:.2f}x | {value:.2f}x | {verdict} | {files} | {check} |")
 
-    def ok(system, layers=None, gb=None, speed=False):
+    def ok(system, layers=None, gb=None, speed=False, default=True):
         return [r for r in rows if r["system"] == system and r["ok"] and (layers is None or r["layers"] == layers)
-                and (gb is None or r["gb"] == gb) and (r["tflops"] if speed else True)]
-
-    def size(peer):
-        xs, ys = ok("zero_cache"), ok(peer)
-        x, y = pick(xs, ys, lambda r: r["params"]) if xs and ys else (None, None)
-        at = f" ({x['layers']} / {y['layers']} layers)" if x and y else ""
-        line(f"size: (d) / {LABEL[peer][:3]}{at}", {"megatron": 2.0}.get(peer, 1.9), x, y)
+                and (gb is None or r["gb"] == gb) and (r["tflops"] if speed else True) and current(r) == default]
 
     def speed(what, goal, xs, ys):
         x, y = pick(xs, ys, lambda r: r["tflops"]) if xs and ys else (None, None)
         line(what, goal, x, y)
 
-    size("megatron")
-    size("deepspeed_zero3_offload")
-    line("size: (d) / 16B", 1.0, best.get("zero_cache"), constant=16e9)
-    line("size: (e) / 19B", 1.0, best.get("zero_cache_nvme"), constant=19e9)
+    a = best.get("megatron")
+    gb = a["gb"] if a else None
+    at_gb = f" at global batch {gb}" if gb else ""
+    for peer in ("megatron", "deepspeed_zero3_offload"):
+        p = best.get(peer)
+        xs, ys = ok("zero_cache", gb=p and p["gb"]), ok(peer)
+        x, y = pick(xs, ys, lambda r: r["params"]) if p and xs and ys else (None, None)
+        layers = f", {x['layers']} / {y['layers']} layers" if x and y else ""
+        line(f"size: (d) / {LABEL[peer][:3]} (global batch {p['gb'] if p else '-'}{layers})",
+             {"megatron": 2.0}.get(peer, 1.9), x, y)
+    d, d_any = best.get("zero_cache"), best_any.get("zero_cache")
+    line(f"size: (d) / 16B{at_gb}" + (f" ({d['layers']} layers)" if d else ""), 1.0, d, constant=16e9)
+    if d_any and d_any is not d:
+        line(f"size: (d) / 16B at global batch {d_any['gb']}, one micro batch a step ({d_any['layers']} layers)",
+             1.0, d_any, constant=16e9)
+    line("size: (e) / 19B", 1.0, best_any.get("zero_cache_nvme"), constant=19e9)
     for peer, goal in (("megatron", 0.97), ("deepspeed_zero3_offload", 2.0), ("megatron_cpu_offload", 1.2)):
         p = best.get(peer)
         speed(f"speed: (d) / {LABEL[peer][:3]} at {LABEL[peer][:3]}'s largest measured size"
               + (f" ({p['layers']} layers)" if p else ""), goal,
               ok("zero_cache", p and p["layers"], speed=True) if p else [], ok(peer, p and p["layers"], speed=True))
-    d, a = best.get("zero_cache"), best.get("megatron")
     a_runs = ok("megatron", a["layers"], speed=True) if a else []
-    speed("speed: (d) at its largest / (a) at its largest" + (f" ({d['layers']} layers, global batch {d['gb']})"
-                                                              if d else ""), 0.75,
+    speed(f"speed: (d) at its largest{at_gb} / (a) at its largest" + (f" ({d['layers']} / {a['layers']} layers)"
+                                                                      if d and a else ""), 0.75,
           ok("zero_cache", d["layers"], d["gb"], speed=True) if d else [], a_runs)
-    # at the throughput comparison's global batch, (d)'s largest size may be smaller
-    d_gb = max(ok("zero_cache", gb=a["gb"]) if a else [], key=lambda r: r["layers"], default=None)
-    if a and d_gb and (not d or d_gb["layers"] != d["layers"]):
-        speed(f"speed: (d) at its largest at global batch {a['gb']} ({d_gb['layers']} layers) / (a) at its largest",
-              0.75, ok("zero_cache", d_gb["layers"], a["gb"], speed=True), a_runs)
+    if d_any and d_any is not d:
+        speed(f"speed: (d) at its largest at global batch {d_any['gb']}, one micro batch a step "
+              f"({d_any['layers']} layers) / (a) at its largest", 0.75,
+              ok("zero_cache", d_any["layers"], d_any["gb"], speed=True), a_runs)
+    o = opt_out.get("zero_cache")
+    if o:
+        speed(f"speed: (d) with bf16 sums, the opt-out, at its largest at global batch {o['gb']} ({o['layers']} "
+              "layers) / (a) at its largest", 0.75,
+              ok("zero_cache", o["layers"], o["gb"], speed=True, default=False), a_runs)
     return out
 
 
@@ -221,50 +262,85 @@ def generate(results: Path):
         earlier += [(row(*run), newest[0].name) for run in older]
     for r in rows + [e for e, _ in earlier]:
         r["params"] = num_params(resolve("h200-16b", overrides=[f"model.num_layers={r['layers']}"]))
-    best = {}
-    for r in rows:
-        if r["ok"] and (r["system"] not in best or r["layers"] > best[r["system"]]["layers"]):
-            best[r["system"]] = r
-    head = ("| system | layers | params | micro / global batch | settings | completed steps | model TFLOP/s/GPU | "
-            "tokens/s | peak GPU GiB | peak host GiB | device call | result file |")
+    # each system's largest completed size as it trains by default: at the global batch of Megatron's largest
+    # (every peer's), else at any; ZeRO-Cache's largest at any global batch and with bf16 sums beside it
+    done = [r for r in rows if r["ok"]]
+    largest = lambda sys_, keep: max((r for r in done if r["system"] == sys_ and keep(r)),  # noqa: E731
+                                     key=lambda r: (r["layers"], r["gb"]), default=None)
+    best_any = {s: b for s in SYSTEMS if (b := largest(s, current))}
+    a = best_any.get("megatron")
+    best = {s: largest(s, lambda r: current(r) and a and r["gb"] == a["gb"]) or b for s, b in best_any.items()}
+    opt_out = {s: b for s in SYSTEMS if (b := largest(s, lambda r: not current(r)))}
+    head = ("| system | layers | params | micro / global batch | settings | gradient sums | completed steps | "
+            "model TFLOP/s/GPU | tokens/s | peak GPU GiB | peak host GiB | device call | result file |")
     lines = ["# Benchmarks: one H200, the 55 preset's layer shape with varying layers", "",
              "Every figure below is read from a result file under `benchmarks/results/` (written by "
              "`scripts/bench_peers.py run`, which records the exact command, commit, machine and device call); "
              "this file and `benchmarks/peers.png` are regenerated by `python scripts/bench_peers.py report`.", "",
              "## Runs", "", "The newest run of each case (a case run again is `NAME-runN.json` beside `NAME.json`; "
              "the earlier runs follow). `device call`: the call a file records, `unknown` for files written "
-             "before runs recorded it.", "", head, "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "before runs recorded it. `gradient sums`: the dtype the micro batches' gradients added up in "
+             "(`optim.accumulate_grads_in_fp32`, fp32 by default since commit da83288; ZeRO-Cache's runs before "
+             "it added up in bf16, as the opt-out `optim.accumulate_grads_in_fp32=false` does; Megatron's "
+             "optimizers always added up in fp32), `none` with one micro batch a step.", "",
+             head, "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     order = lambda r: (r["system"], r["layers"], r["gb"])  # noqa: E731
     lines += [run_line(r) for r in sorted(rows, key=order)]
     if earlier:
         lines += ["", "### Earlier runs of a case", "", head + " newest run |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         lines += [run_line(r, f" `{newest}` |") for r, newest in sorted(earlier, key=lambda e: order(e[0]))]
     lines += ["", "## Largest model that completes 3 optimizer steps", "",
-              "| system | layers | params | the next size up |", "|---|---|---|---|"]
-    for system in SYSTEMS:
-        b = best.get(system)
-        if not b:
-            lines.append(f"| {LABEL[system]} | not run | - | - |")
-            continue
-        bigger = [r for r in rows if r["system"] == system and r["layers"] > b["layers"]]
+              "Each system as it trains by default, at the global batch of the peers' runs; ZeRO-Cache also at "
+              "the other global batch it ran and with bf16 sums, the opt-out, each said so.", "",
+              "| system | global batch | gradient sums | layers | params | the next size up |",
+              "|---|---|---|---|---|---|"]
+
+    def largest_line(label, b, keep):
+        bigger = [r for r in rows if r["system"] == b["system"] and r["gb"] == b["gb"] and keep(r)
+                  and r["layers"] > b["layers"]]
         nxt = min(bigger, key=lambda r: r["layers"]) if bigger else None
         ended = (f"were refused before launch, {nxt['refused']}" if nxt and nxt["refused"]
                  else f"ran out of {nxt['oom_kind'] or 'GPU'} memory" if nxt else "")
+        gap = (f"; {b['layers'] + 1} layers not tried" if nxt and nxt["layers"] == b["layers"] + 2 else
+               f"; {b['layers'] + 1} and {b['layers'] + 2} layers not tried" if nxt and nxt["layers"] == b["layers"] + 3
+               else f"; {b['layers'] + 1} to {nxt['layers'] - 1} layers not tried" if nxt and nxt["layers"] > b["layers"] + 3
+               else "")
         why = (f"{nxt['layers']} layers {ended} (micro batch {nxt['mb']}"
-               f"{', ' + nxt['settings'] if nxt['settings'] != '-' else ''})" if nxt and nxt["oom"]
+               f"{', ' + nxt['settings'] if nxt['settings'] != '-' else ''}){gap}" if nxt and nxt["oom"]
                else "not tried: the largest size is not established")
-        lines.append(f"| {LABEL[system]} | {b['layers']} | {b['params'] / 1e9:.2f}B | {why} |")
+        lines.append(f"| {label} | {b['gb']} | {SUMS[b['sums']]} | {b['layers']} | {b['params'] / 1e9:.2f}B | {why} |")
+
+    for system in SYSTEMS:
+        b = best.get(system)
+        if not b:
+            lines.append(f"| {LABEL[system]} | - | - | not run | - | - |")
+            continue
+        largest_line(LABEL[system], b, current)
+        other = best_any[system]
+        if other is not b:
+            largest_line(f"{LABEL[system]}, global batch {other['gb']}", other, current)
+        if system in opt_out:
+            largest_line(f"{LABEL[system]}, bf16 sums (the opt-out)", opt_out[system], lambda r: not current(r))
+    goals = goals_table(rows, best, best_any, opt_out)
     lines += ["", "## Goals", "",
               "A ratio is a goal result only when its two result files come from one device call on one "
               "machine (`same call`); `different calls` or `call unknown` (a file written before runs recorded "
               "their call) shows the ratio of each side's best run without a verdict. Where one device call "
-              "has runs on both sides, the newest such call is taken.", "",
+              "has runs on both sides, the newest such call is taken. ZeRO-Cache's side is its runs of the "
+              "default (fp32 sums) unless a line says otherwise.", "",
               "| goal | target | measured | | result files | device call |", "|---|---|---|---|---|---|",
-              *goals_table(rows, best), ""]
+              *goals, ""]
+    if any("| missed |" in g for g in goals):
+        lines += ["Where a goal is missed, ZeRO-Cache adds up the micro batches' gradients in fp32, as Megatron's "
+                  "optimizers do and as its own runs before commit da83288 did not: each parameter's model states "
+                  "in the store take 18 bytes (bf16 weight, fp32 gradient sum, fp32 master weight and two fp32 "
+                  "moments) against 16 with bf16 sums, so fewer of them stay on the GPU and more are updated from "
+                  "the host, and the host update and the in-store accumulation's round trips carry fp32 "
+                  "gradients where they carried bf16 ones. The notes give the measured figures.", ""]
     lines += profile_table(rows)
     lines += ["## Notes", "", *notes(cases), ""]
-    at = {(r["system"], r["layers"]): max((x["tflops"] for x in rows if x["system"] == r["system"]
+    at = {(r["system"], r["layers"]): max((x["tflops"] for x in rows if x["system"] == r["system"] and current(x)
                                             and x["layers"] == r["layers"] and x["ok"] and x["tflops"]), default=0)
           for r in rows}
     return "\n".join(lines) + "\n", (best, at, rows)
@@ -281,13 +357,12 @@ def chart(path: Path, best, at, rows) -> bool:
         return False
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     names = [s for s in SYSTEMS if s in best]
-    ax1.bar([LABEL[s][:3] for s in names], [best[s]["params"] / 1e9 for s in names], color="tab:blue")
+    ax1.bar([f"{LABEL[s][:3]}\nbatch {best[s]['gb']}" for s in names], [best[s]["params"] / 1e9 for s in names],
+            color="tab:blue")
     ax1.set_ylabel("largest model (B parameters)")
-    ax1.set_title("Largest size measured to complete 3 steps, one H200")
-    a = best.get("megatron")
-    d_gb = max((r for r in rows if r["system"] == "zero_cache" and r["ok"] and a and r["gb"] == a["gb"]),
-               key=lambda r: r["layers"], default=None)
-    sizes = sorted({best[s]["layers"] for s in names} | ({d_gb["layers"]} if d_gb else set()))
+    ax1.set_title("Largest size measured to complete 3 steps, one H200\n(each system's default, at its global batch)",
+                  fontsize=9)
+    sizes = sorted({best[s]["layers"] for s in names})
     width = 0.8 / max(1, len(names))
     for i, s in enumerate(names):
         ax2.bar([j + i * width for j in range(len(sizes))], [at.get((s, L), 0) for L in sizes], width,
