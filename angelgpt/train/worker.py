@@ -36,7 +36,8 @@ def build(cfg, on_gpu: bool, beside_store_bytes: int = 0):
 
     # ZeRO-Cache on GPU: layers built on the meta device, made real one at a time while its store fills
     # (a rank's full weights need not fit its GPU, only the resident ones and one offloaded layer)
-    defer = on_gpu and cfg.optim.optimizer == "zero_cache"
+    # (not with transformer-engine's spec, whose modules angelgpt does not rebuild)
+    defer = on_gpu and cfg.optim.optimizer == "zero_cache" and cfg.model.transformer_impl != "transformer_engine"
     model = build_gpt(cfg, on_gpu, defer_layers=defer)
     if on_gpu:
         from megatron.core.transformer.module import Float16Module
