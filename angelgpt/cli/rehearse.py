@@ -210,7 +210,8 @@ def rehearse(cfg, size: Optional[str], config: Optional[str], extra: List[str], 
 
         from angelgpt.planner import describe
 
-        here_tflops = describe(torch.cuda.get_device_properties(0).name, gpu_total, 1, 0, 0).gpu_tflops
+        props = torch.cuda.get_device_properties(0)
+        here_tflops = describe(props.name, props.total_memory, 1, 0, 0).gpu_tflops
     # ZeRO-Cache's host budget per rank: the target node's host memory over its GPUs (or less, if set)
     share = hw.host_mem_gib / nproc_per_node
     zc = cfg.zero_cache

@@ -213,8 +213,13 @@ class Store:
                                                 self.num_microbatches > 1 and not self.accumulate, depth,
                                                 weight_bytes)
             avail["device"] -= int(GPU_HEADROOM * device_memory(self.device)[1])
-        # offloaded layers leave the device once their chunks exist, making room for the states
-        avail["device"] += weight_bytes * sum(self._n(p) for gi, f in enumerate(flags) if f for p in self.sub_groups[gi])
+        # offloaded layers leave the device once their chunks exist, making room for the states; layers
+        # still on the meta device (deferred init: made real by allocate) are not in the reading above:
+        # the resident ones will take their room, the offloaded ones never do
+        avail["device"] += weight_bytes * sum(self._n(p) for gi, f in enumerate(flags) if f
+                                              for p in self.sub_groups[gi] if not p.is_meta)
+        avail["device"] -= weight_bytes * sum(self._n(p) for gi, f in enumerate(flags) if not f
+                                              for p in self.sub_groups[gi] if p.is_meta)
         if not zc.nvme_path:
             needed.pop("nvme")
         self.own_weights = own_weight_buffers(self.accumulate, grad_bytes, weight_bytes)

@@ -63,3 +63,29 @@ def test_materialized_layers_take_the_dtype_the_model_was_cast_to(megatron_singl
     params = [p for n, p in model.named_parameters() if ".layers." in n]
     materializer(model, torch.device("cpu"))(params)
     assert params and all(not p.is_meta and p.dtype == torch.bfloat16 for p in params)
+
+
+def test_the_capacity_check_counts_resident_layers_not_built_yet(megatron_single_rank, monkeypatch):
+    """ZeRO-Cache reads the device's free memory before a deferred model's layers exist: the resident
+    layers' weights must still be counted, and offloaded layers that never came are not given back. The
+    device room the capacity check sees is the same as with the whole model built first."""
+    from angelgpt.model.deferred import materializer
+    from angelgpt.model.gpt import build_gpt
+    from angelgpt.zero_cache import store as store_module
+    from angelgpt.zero_cache.optimizer import ZeroCacheOptimizer
+
+    cfg = _zero_cache_cfg("zero_cache.prefetch_cache_sub_group_rate=0.5", "zero_cache.offload_params=true",
+                          "model.recompute=full")
+    room = {}
+    for defer in (False, True):
+        model = build_gpt(cfg, on_gpu=False, defer_layers=defer)
+        built = sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)
+        monkeypatch.setattr(store_module, "available_bytes",  # the device holds what is built
+                            lambda *a, built=built, **k: {"device": 2 ** 40 - built, "host": 2 ** 40, "nvme": 0})
+        monkeypatch.setattr(store_module, "check_capacity",
+                            lambda needed, avail, defer=defer: room.setdefault(defer, avail["device"]))
+        opt = ZeroCacheOptimizer(model, cfg, torch.device("cpu"), 0,
+                                 materialize=materializer(model, torch.device("cpu")) if defer else None)
+        assert any(opt.store.partitioned) and not all(opt.store.partitioned[1:-1])
+        opt.close()
+    assert room[True] == room[False]
