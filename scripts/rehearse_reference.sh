@@ -6,7 +6,8 @@
 #   1000/8 GiB a rank), and 55 on an 8x H200 node (--machine h200x8).
 # From the repository root on the device machine:
 #   source scripts/device_wheels.sh && bash scripts/rehearse_reference.sh [TREE] [CASE ...]
-# CASE: 55-a100-40gx8 (default), 28-a100-40gx8, 55-h200x8. STEPS (default 3) steps a rank; each case is
+# CASE: 55-a100-40gx8 (default), 28-a100-40gx8, 55-h200x8; CASE@GIB caps the target's GPU at GIB instead
+# (--gpu-mem GIB: a tighter cap than the machine's, rehearse-SIZE-MACHINE-gpuGIB.json). STEPS (default 3) steps a rank; each case is
 # stopped after CASE_S seconds (default 300).
 set -u
 tree=${1:-$PWD}; shift || true
@@ -16,14 +17,15 @@ export PYTHONPATH=$tree${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTHONWARN
 results=${ANGELGPT_BENCH_OUT:-$PWD/benchmarks/results}
 mkdir -p "$results"
 for c in $cases; do
+  cap=; [ "${c#*@}" != "$c" ] && cap=${c#*@}; c=${c%@*}
   size=${c%%-*}; machine=${c#*-}
   host=1000; [ "$machine" = h200x8 ] && host=2048
-  name=rehearse-$size-$machine
+  name=rehearse-$size-$machine${cap:+-gpu$cap}
   f=$results/$name.json; n=2
   while [ -e "$f" ]; do f=$results/$name-run$n.json; n=$((n + 1)); done
   echo "== $c -> $(basename "$f") ($(date -u +%T))"
   ( cd "$tree" && timeout -k 10 "${CASE_S:-300}" python3 -m angelgpt train --size "$size" --rehearse \
-      --nproc-per-node 8 --machine "$machine" --host-mem "$host" --rehearse-steps "${STEPS:-3}" \
+      --nproc-per-node 8 --machine "$machine" --host-mem "$host" ${cap:+--gpu-mem "$cap"} --rehearse-steps "${STEPS:-3}" \
       --rehearse-report "$f" ) 2>&1 | grep -v "Warning\|warn(" | cut -c1-600 | tail -40
   echo "exit ${PIPESTATUS[0]}"
   [ -n "${OUT:-}" ] && [ -f "$f" ] && cp "$f" "$OUT/"

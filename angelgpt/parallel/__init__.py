@@ -2,8 +2,9 @@
 
 A rehearsal (`angelgpt train --rehearse`) plays one rank of a larger world in one process: the default
 group is torch's fake process group, whose collectives return at once and move no data (an all-gather
-copies the rank's own input into every slot, a reduce-scatter keeps its own chunk, a receive writes
-nothing: here it is zero-filled, so a pipeline stage gets zeros, not uninitialised memory). `rehearsal()`
+copies the rank's own input into every slot; a reduce-scatter and a receive are not sure to write
+their output: here a reduce-scatter writes this rank's own chunk and a receive zeros, so neither leaves
+uninitialised memory, NaN included, in a gradient or a pipeline stage's input). `rehearsal()`
 says so to the code that would otherwise wait on other ranks (resolving once on rank 0 and broadcasting
 an object, refusing together).
 """
@@ -58,6 +59,28 @@ def _zero_filled_receives() -> None:
             setattr(dist, name, patched)
 
 
+def _own_chunk_reduce_scatter() -> None:
+    """A fake group's reduce-scatter leaves its output as allocated (torch.empty: any bytes, NaN
+    included, so a rehearsal's gradient norm is non-finite and the optimizer leaves its update out);
+    fill it with this rank's own chunk of the input, what a reduction over one rank gives."""
+    from torch.distributed import distributed_c10d as c10d
+
+    original = c10d.reduce_scatter_tensor
+    if hasattr(original, "__wrapped__"):
+        return
+
+    def reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        work = original(output, input, op=op, group=group, async_op=async_op)
+        with torch.no_grad():
+            me = dist.get_rank(group) if group is not None else dist.get_rank()
+            output.view(-1).copy_(input.view(-1)[me * output.numel():(me + 1) * output.numel()])
+        return work
+
+    reduce_scatter_tensor.__wrapped__ = original
+    c10d.reduce_scatter_tensor = reduce_scatter_tensor
+    dist.reduce_scatter_tensor = reduce_scatter_tensor
+
+
 def _start_rehearsal(r: Rehearsal, tensor_parallel: int, pipeline_parallel: int, on_gpu: bool) -> None:
     """Rank r.rank of r.world_size under torch's fake process group, on this machine's first GPU (its
     allocator capped at r.gpu_cap_bytes) or the CPU; Megatron's groups for the whole world, no gloo."""
@@ -71,6 +94,7 @@ def _start_rehearsal(r: Rehearsal, tensor_parallel: int, pipeline_parallel: int,
             total = torch.cuda.get_device_properties(0).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, r.gpu_cap_bytes / total), 0)
     _zero_filled_receives()
+    _own_chunk_reduce_scatter()
     dist.init_process_group("fake", store=FakeStore(), rank=r.rank, world_size=r.world_size)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_parallel,

@@ -101,10 +101,14 @@ def activation_bytes(cfg: Config, recompute: Optional[bool] = None, offload: Opt
     # the first `recomputed` layers keep their inputs; the rest keep everything, and are done with in
     # backward before the first recomputed layer's full set comes back
     on_gpu_inputs = 0 if _offloading(cfg, offload) else recomputed * _layer_input_bytes(cfg)
-    stored = on_gpu_inputs + max(layers - recomputed, 1 if recomputed else 0) * full_layer
-    # bf16 logits, fp32 copy and grad (assumed from Megatron's loss, not fitted)
-    logits = s * b * cfg.padded_vocab_size() // tp * (MODEL_BYTES + 4 + 4)
-    return stored + logits
+    # the logits at their peak: the output layer's bf16 logits beside the fp32 copy Megatron's
+    # vocab-parallel cross entropy makes and keeps for backward (its exp, softmax and gradient are made in
+    # place in that copy), then that fp32 gradient beside its bf16 cast for the output layer's backward:
+    # 2 + 4 bytes an element (read from megatron-core's cross entropy, not fitted)
+    logits = s * b * cfg.padded_vocab_size() // tp * (MODEL_BYTES + 4)
+    # the logits peak at the end of forward, beside every layer's stored activations; they are gone
+    # before the last recomputed layer's full set is made again in backward
+    return on_gpu_inputs + max((layers - recomputed) * full_layer + logits, full_layer if recomputed else 0)
 
 
 def _offloading(cfg: Config, offload: Optional[bool] = None) -> bool:

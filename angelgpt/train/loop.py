@@ -265,7 +265,7 @@ class Trainer:
                 stepped = self._clock()
                 self.records.append({"iteration": self.iteration + 1, "forward_backward_s": backward_done - started,
                                      "optimizer_step_s": stepped - backward_done, "loss": loss,
-                                     "grad_norm": grad_norm, "stepped": bool(ok and math.isfinite(grad_norm)),
+                                     "grad_norm": grad_norm, "stepped": bool(ok),
                                      "zero_cache_profile": self.optimizer.profile_record()})
             if ok and math.isfinite(grad_norm):
                 self.scheduler.step(increment=1)

@@ -57,6 +57,9 @@ def _measure(trainer, on_gpu: bool) -> dict:
     if on_gpu and torch.cuda.is_initialized():
         out["gpu_peak_allocated_bytes"] = int(torch.cuda.max_memory_allocated())
         out["gpu_peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved())
+        # nonzero: the allocator reached the cap, gave its cache back and retried, so the peak reserved is
+        # the cap's, not the rank's need
+        out["gpu_alloc_retries"] = int(torch.cuda.memory_stats().get("num_alloc_retries", 0))
     if trainer is None:
         return out
     out["steps"] = [{k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in r.items()}

@@ -26,6 +26,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from angelgpt import parallel
 from angelgpt.optimizer import clip_coefficient
 from angelgpt.zero_cache.placement import DEVICE_UPDATE_SLICE, STATES, slices
 from angelgpt.zero_cache.store import Chunk, Store
@@ -67,10 +68,13 @@ class Update:
             self.streams.h2d.synchronize()  # no fetch still reads a host copy the update will overwrite
         self.profile.exposed("step", time.perf_counter() - t0)
         self.profile.end_iteration()
-        if not math.isfinite(norm):
+        rehearsing = parallel.rehearsal() is not None
+        if not math.isfinite(norm) and not rehearsing:
             self.gradients.zero_grad()
             return False, norm, None
-        coef = clip_coefficient(norm, self.clip_grad)
+        # a rehearsal's gradients are meaningless (collectives move no data): the update runs whatever the
+        # norm, so its time and memory are measured
+        coef = clip_coefficient(norm, self.clip_grad) if math.isfinite(norm) else 1.0
         hyper = [(g["lr"], g["weight_decay"]) for g in self.param_groups]  # the scheduler moves on meanwhile
         after_backward = None
         if self.streams.cuda:

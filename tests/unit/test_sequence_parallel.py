@@ -38,10 +38,12 @@ def test_norm_marks_its_parameters_for_the_tp_sum():
 
 def test_activations_split_over_tp_as_korthikanti_et_al():
     """Per layer 10sbh + 24sbh/t without sequence parallelism, 34sbh/t with it (ffn 4h, no recompute);
-    a recomputed layer's kept input 2sbh, 2sbh/t with it (and one layer's full set during its backward)."""
+    a recomputed layer's kept input 2sbh, 2sbh/t with it (one layer's full set during its backward comes
+    after the logits are gone: at 125M's vocabulary the logits' peak is the larger, so only the kept inputs
+    differ)."""
     base = ["parallel.tensor_model_parallel_size=2", "model.recompute=none"]
     off, on = resolve("125m", overrides=base), resolve("125m", overrides=base + ["parallel.sequence_parallel=true"])
     m = off.model
     sbh = m.seq_length * off.train.micro_batch_size * m.hidden_size
     assert activation_bytes(off, False) - activation_bytes(on, False) == m.num_layers * 10 * sbh // 2
-    assert activation_bytes(off, True) - activation_bytes(on, True) == (m.num_layers * 2 + 10) * sbh // 2
+    assert activation_bytes(off, True) - activation_bytes(on, True) == m.num_layers * 2 * sbh // 2
