@@ -30,9 +30,9 @@ def test_zero_cache_checkpoint_resumes_on_gpu(tmp_path, save):
     GPU: the run continues as if it had not stopped (bf16 tolerance)."""
     from tests.helpers import read_metrics, run_cli
 
-    def train(name, *overrides):
+    def train(name, *overrides):  # --force: the planner refuses the tiny host budget that sends states to NVMe
         metrics = tmp_path / f"{name}.jsonl"
-        proc = run_cli("train", "--size", "tiny", "--device", "cuda", "--metrics-file", metrics,
+        proc = run_cli("train", "--size", "tiny", "--device", "cuda", "--force", "--metrics-file", metrics,
                        "logging.log_interval=1", "optim.optimizer=zero_cache", "train.train_iters=14", *overrides)
         assert proc.returncode == 0, proc.stderr[-3000:]
         return read_metrics(metrics)
