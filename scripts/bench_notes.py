@@ -94,6 +94,7 @@ class Figures:
 RATE = "arg:zero_cache.prefetch_cache_sub_group_rate"
 PEAK_AT_TRAINING = r"training \(host peak ([\d.]+) GiB\)"
 DS = "peers-deepspeed_zero3_offload-L{}-mb8-gb32{}"
+DSO = "peers-deepspeed_zero{}_offload_opt-L{}-mb8-gb32"  # stage, layers
 MEG7, ZC7 = "peers-megatron-L7-mb{}-gb32{}", "peers-zero_cache-L7-mb2-gb32-recomputenone"
 MEG7R1 = "peers-megatron-L7-mb2-gb32-recomputenone.json"  # the first run of its case
 B11 = "peers-megatron_cpu_offload-L11-mb{}-gb32{}"
@@ -137,9 +138,21 @@ def deepspeed(f) -> str:
             "Megatron's fused QKV row order; so their losses are not comparable with angelgpt's: on random "
             f"tokens the {f.layers(L7)}-layer run ended at {f(L7, 'records.-1.lm_loss', '{:.2f}')} "
             f"{f.cite(L7)} where (a) ended at {f(MEG7R1, 'records.-1.lm_loss', '{:.2f}')} after as many steps "
-            f"{f.cite(MEG7R1)}. DeepSpeed's two optimizer-offload configurations, ZeRO-3 with the parameters on "
-            "the GPU (`deepspeed_config=zero3_offload_opt`) and ZeRO-2 (`deepspeed_config=zero2_offload_opt`), "
-            "have not been run on a GPU yet.")
+            f"{f.cite(MEG7R1)}. DeepSpeed's two optimizer-offload configurations (ZeRO-Offload: the parameters "
+            "on the GPU, the optimizer states and the update on the CPU, host buffers pinned), run after 81eaaa6 "
+            "by `scripts/deepspeed_best.sh` in one device call: ZeRO-3 (`deepspeed_config=zero3_offload_opt`) "
+            f"made {f(DSO.format(3, 7), 'tflops')} TFLOP/s at {f.layers(DSO.format(3, 7))} layers, "
+            f"{f(DSO.format(3, 7), 'gpu')} GiB GPU and {f(DSO.format(3, 7), 'host')} GiB host, its loss going "
+            f"from {f(DSO.format(3, 7), 'records.0.lm_loss', '{:.3f}')} to "
+            f"{f(DSO.format(3, 7), 'records.-1.lm_loss', '{:.3f}')} over its "
+            f"{f(DSO.format(3, 7), 'arg:train.train_iters', '{}')} steps {f.cite(DSO.format(3, 7))}, where (a)'s "
+            f"went from {f(MEG7R1, 'records.0.lm_loss', '{:.3f}')} to {f(MEG7R1, 'records.-1.lm_loss', '{:.3f}')} "
+            f"on the same batches and schedule {f.cite(MEG7R1)} (micro batches of 8 against 2, and another system's kernels "
+            f"and sums); at {f.layers(DSO.format(3, 8))} layers its engine start-up reached "
+            f"{f(DSO.format(3, 8), 'log:' + PEAK_AT_TRAINING)} GiB of host memory and it ran out of host memory "
+            f"{f.cite(DSO.format(3, 8))}. ZeRO-2 (`deepspeed_config=zero2_offload_opt`) ran out of host memory "
+            f"already at {f.layers(DSO.format(2, 7))} layers, its start-up at "
+            f"{f(DSO.format(2, 7), 'log:' + PEAK_AT_TRAINING)} GiB {f.cite(DSO.format(2, 7))}.")
 
 
 def recompute(f) -> str:

@@ -314,7 +314,11 @@ def generate(results: Path):
     for system in SYSTEMS:
         b = best.get(system)
         if not b:
-            lines.append(f"| {LABEL[system]} | - | - | not run | - | - |")
+            tried = sorted((r for r in rows if r["system"] == system and r["oom"]), key=lambda r: r["layers"])
+            why = (f"{tried[0]['layers']} layers ran out of {tried[0]['oom_kind'] or 'GPU'} memory (micro batch "
+                   f"{tried[0]['mb']}{', ' + tried[0]['settings'] if tried[0]['settings'] != '-' else ''})"
+                   if tried else "-")
+            lines.append(f"| {LABEL[system]} | - | - | {'none completed' if tried else 'not run'} | - | {why} |")
             continue
         largest_line(LABEL[system], b, current)
         other = best_any[system]

@@ -83,13 +83,17 @@ def config_of(run: dict, overrides: Tuple[str, ...] = ()):
     return resolve(size, overrides=[*words, f"optim.accumulate_grads_in_fp32={str(bool(recorded)).lower()}"])
 
 
-def gpu_measured_gib(allocated_gib: float, reserved_gib: Optional[float]) -> float:
-    """The GPU memory a run took, as the planner counts it: the caching allocator's peak reserved (its
-    slack and cuBLAS's workspace in it) plus the CUDA context, which no torch counter holds; where
-    reserved was not recorded, the peak allocated (the older runs)."""
+def gpu_measured_gib(allocated_gib: float, reserved_gib: Optional[float] = None) -> float:
+    """The GPU memory a run needed, as the planner counts it: the peak allocated by tensors (cuBLAS's
+    workspace in it) plus the CUDA context, which no torch counter holds. Not the caching allocator's
+    peak reserved: what it holds beyond allocations is cache it gives back when an allocation would
+    otherwise fail (rehearse-55-a100-40gx8-gpu32.5.json: the rank that reserved 37.71 GiB under a 38.40
+    GiB cap, rehearse-55-a100-40gx8-run2.json, ran its steps under a 31.50 GiB cap, its allocator freeing
+    its cache and retrying 249 times), so the peak reserved says how much room there was, not how much was
+    needed. `reserved_gib` is accepted and not used."""
     from angelgpt.planner.plan import CUDA_CONTEXT
 
-    return reserved_gib + CUDA_CONTEXT / GIB if reserved_gib else allocated_gib
+    return allocated_gib + CUDA_CONTEXT / GIB
 
 
 def measured_and_planned(run: dict, overrides: Tuple[str, ...] = ()) -> Tuple[dict, dict, object]:

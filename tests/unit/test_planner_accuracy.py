@@ -130,21 +130,21 @@ def _rank(rank, gpu_gib, rss_gib, pred_gpu_gib, pred_host_gib, fits=True, predic
 
 def test_rehearsal_comparison_on_a_synthetic_report():
     """Within 10% passes; 11% off in GPU memory or host memory is a miss; the GPU figure is the peak
-    reserved plus the CUDA context where reserved is recorded (allocated 26 GiB alone would miss a plan of
-    30, reserved 28 with the context does not); the median forward-backward time of steps 2.. is compared
+    allocated plus the CUDA context, whatever the allocator reserved beyond it (cache it gives back under
+    pressure: 28 GiB allocated and 35 reserved meet a plan of 30, 28 allocated miss a plan of 33); the median forward-backward time of steps 2.. is compared
     with the planner's compute time on the GPU that rehearsed (within 15%), and not at all where the
     report has none; a CPU rehearsal compares host memory only; a rank that ran out where the planner
     said it fits is a failure, one predicted not to fit is not compared."""
-    report = {"ranks": [_rank(0, 36.0, 20.0, 38.0, 21.0),
-                        _rank(1, 30.0, 20.0, 33.3, 20.0),
-                        _rank(2, 30.0, 20.0, 30.0, 17.7),
+    report = {"ranks": [_rank(0, 35.0, 20.0, 38.0, 21.0),
+                        _rank(1, 29.0, 20.0, 33.3, 20.0),
+                        _rank(2, 29.0, 20.0, 30.0, 17.7),
                         _rank(3, 0.0, 20.0, 80.0, 19.0, device="cpu"),
                         _rank(4, 39.0, 20.0, 38.0, 20.0, fits=False),
                         _rank(5, 39.0, 20.0, 45.0, 20.0, fits=False, predicted_fits=False),
-                        _rank(6, 26.0, 20.0, 30.0, 20.0, reserved_gib=28.0),
-                        _rank(7, 26.0, 20.0, 30.0, 20.0),
-                        _rank(8, 30.0, 20.0, 30.0, 20.0, fb=(30.0, 10.0, 10.5, 11.0), compute_here=12.0),
-                        _rank(9, 30.0, 20.0, 30.0, 20.0, fb=(30.0, 10.0, 10.5, 11.0), compute_here=13.0)]}
+                        _rank(6, 28.0, 20.0, 30.0, 20.0, reserved_gib=35.0),
+                        _rank(7, 28.0, 20.0, 33.0, 20.0),
+                        _rank(8, 29.0, 20.0, 30.0, 20.0, fb=(30.0, 10.0, 10.5, 11.0), compute_here=12.0),
+                        _rank(9, 29.0, 20.0, 30.0, 20.0, fb=(30.0, 10.0, 10.5, 11.0), compute_here=13.0)]}
     points = rehearsal_points(report)
     assert [label.split()[1] for label, *_ in points] == ["0", "1", "2", "3", "4", "6", "7", "8", "9"]
     found = {label.split()[1]: (misses(m, p), failure) for label, m, p, failure in points}
