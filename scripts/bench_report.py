@@ -296,29 +296,30 @@ def generate(results: Path):
               "| system | global batch | gradient sums | layers | params | the next size up |",
               "|---|---|---|---|---|---|"]
 
+    def failed(r):
+        """How a run that completed no step ended: 'N layers ... (micro batch M, settings)'."""
+        ended = (f"were refused before launch, {r['refused']}" if r["refused"]
+                 else f"ran out of {r['oom_kind'] or 'GPU'} memory")
+        return (f"{r['layers']} layers {ended} (micro batch {r['mb']}"
+                f"{', ' + r['settings'] if r['settings'] != '-' else ''})")
+
     def largest_line(label, b, keep):
         bigger = [r for r in rows if r["system"] == b["system"] and r["gb"] == b["gb"] and keep(r)
                   and r["layers"] > b["layers"]]
         nxt = min(bigger, key=lambda r: r["layers"]) if bigger else None
-        ended = (f"were refused before launch, {nxt['refused']}" if nxt and nxt["refused"]
-                 else f"ran out of {nxt['oom_kind'] or 'GPU'} memory" if nxt else "")
         gap = (f"; {b['layers'] + 1} layers not tried" if nxt and nxt["layers"] == b["layers"] + 2 else
                f"; {b['layers'] + 1} and {b['layers'] + 2} layers not tried" if nxt and nxt["layers"] == b["layers"] + 3
                else f"; {b['layers'] + 1} to {nxt['layers'] - 1} layers not tried" if nxt and nxt["layers"] > b["layers"] + 3
                else "")
-        why = (f"{nxt['layers']} layers {ended} (micro batch {nxt['mb']}"
-               f"{', ' + nxt['settings'] if nxt['settings'] != '-' else ''}){gap}" if nxt and nxt["oom"]
-               else "not tried: the largest size is not established")
+        why = failed(nxt) + gap if nxt and nxt["oom"] else "not tried: the largest size is not established"
         lines.append(f"| {label} | {b['gb']} | {SUMS[b['sums']]} | {b['layers']} | {b['params'] / 1e9:.2f}B | {why} |")
 
     for system in SYSTEMS:
         b = best.get(system)
         if not b:
             tried = sorted((r for r in rows if r["system"] == system and r["oom"]), key=lambda r: r["layers"])
-            why = (f"{tried[0]['layers']} layers ran out of {tried[0]['oom_kind'] or 'GPU'} memory (micro batch "
-                   f"{tried[0]['mb']}{', ' + tried[0]['settings'] if tried[0]['settings'] != '-' else ''})"
-                   if tried else "-")
-            lines.append(f"| {LABEL[system]} | - | - | {'none completed' if tried else 'not run'} | - | {why} |")
+            lines.append(f"| {LABEL[system]} | - | - | {'none completed' if tried else 'not run'} | - | "
+                         f"{failed(tried[0]) if tried else '-'} |")
             continue
         largest_line(LABEL[system], b, current)
         other = best_any[system]

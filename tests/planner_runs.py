@@ -83,14 +83,14 @@ def config_of(run: dict, overrides: Tuple[str, ...] = ()):
     return resolve(size, overrides=[*words, f"optim.accumulate_grads_in_fp32={str(bool(recorded)).lower()}"])
 
 
-def gpu_measured_gib(allocated_gib: float, reserved_gib: Optional[float] = None) -> float:
+def gpu_measured_gib(allocated_gib: float) -> float:
     """The GPU memory a run needed, as the planner counts it: the peak allocated by tensors (cuBLAS's
     workspace in it) plus the CUDA context, which no torch counter holds. Not the caching allocator's
     peak reserved: what it holds beyond allocations is cache it gives back when an allocation would
     otherwise fail (rehearse-55-a100-40gx8-gpu32.5.json: the rank that reserved 37.71 GiB under a 38.40
     GiB cap, rehearse-55-a100-40gx8-run2.json, ran its steps under a 31.50 GiB cap, its allocator freeing
     its cache and retrying 249 times), so the peak reserved says how much room there was, not how much was
-    needed. `reserved_gib` is accepted and not used."""
+    needed."""
     from angelgpt.planner.plan import CUDA_CONTEXT
 
     return allocated_gib + CUDA_CONTEXT / GIB
@@ -104,7 +104,7 @@ def measured_and_planned(run: dict, overrides: Tuple[str, ...] = ()) -> Tuple[di
     from angelgpt.planner import MACHINES, plan_for
 
     p = plan_for(config_of(run, overrides), MACHINES["h200"])
-    measured = {"gpu": gpu_measured_gib(run["peak_gpu_gib"], run.get("peak_gpu_reserved_gib")),
+    measured = {"gpu": gpu_measured_gib(run["peak_gpu_gib"]),
                 "host": run["peak_host_gib"], "step": run["elapsed_ms_median"] / 1000}
     planned = {"gpu": p.gpu_total / GIB, "host": (p.host_total - p.host_bytes.get("step_transient", 0)) / GIB,
                "step": p.step_time_s}
@@ -148,7 +148,7 @@ def rehearsal_points(report: dict) -> List[Tuple[str, dict, dict, Optional[str]]
             failure = f"{label}: ran out ({why}) where the planner predicted it fits" if p.get("fits") else None
             if failure is None:
                 continue  # predicted not to fit, and did not: nothing to compare
-        gpu = gpu_measured_gib(m.get("gpu_peak_allocated_bytes", 0) / GIB, m.get("gpu_peak_reserved_bytes", 0) / GIB)
+        gpu = gpu_measured_gib(m.get("gpu_peak_allocated_bytes", 0) / GIB)
         fb = [s.get("forward_backward_s") for s in (m.get("steps") or [])][1:]
         fb = sorted(v for v in fb if v is not None)
         compute = fb[len(fb) // 2] if fb and p.get("compute_here_s") is not None else None

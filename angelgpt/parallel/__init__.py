@@ -2,9 +2,9 @@
 
 A rehearsal (`angelgpt train --rehearse`) plays one rank of a larger world in one process: the default
 group is torch's fake process group, whose collectives return at once and move no data (an all-gather
-copies the rank's own input into every slot; a reduce-scatter and a receive are not sure to write
-their output: here a reduce-scatter writes this rank's own chunk and a receive zeros, so neither leaves
-uninitialised memory, NaN included, in a gradient or a pipeline stage's input). `rehearsal()`
+copies the rank's own input into every slot, a receive writes nothing: here it is zero-filled, so a
+pipeline stage gets zeros, not uninitialised memory, and a reduce-scatter writes this rank's own chunk
+whatever the torch version). `rehearsal()`
 says so to the code that would otherwise wait on other ranks (resolving once on rank 0 and broadcasting
 an object, refusing together).
 """
@@ -37,48 +37,50 @@ def rehearsal() -> Optional[Rehearsal]:
     return _REHEARSAL["now"]
 
 
-def _zero_filled_receives() -> None:
-    """A fake group's receive leaves its buffer as allocated (torch.empty: any bytes, NaN included);
-    zero it first. Patched where Megatron's P2P communicator and batch_isend_irecv look them up."""
+def _patch_collective(name: str, wrap) -> None:
+    """Replaces torch.distributed's `name` by wrap(original) where Megatron's P2P communicator,
+    batch_isend_irecv and the callers of torch.distributed look it up; once (a patched one keeps
+    `__wrapped__`)."""
     from torch.distributed import distributed_c10d as c10d
 
+    original = getattr(c10d, name)
+    if hasattr(original, "__wrapped__"):
+        return
+    patched = wrap(original)
+    patched.__wrapped__ = original
+    setattr(c10d, name, patched)
+    setattr(dist, name, patched)
+
+
+def _zero_filled_receives() -> None:
+    """A fake group's receive leaves its buffer as allocated (torch.empty: any bytes, NaN included);
+    zero it first."""
     def zeroing(original):
         def receive(*args, **kwargs):
             tensor = args[0] if args else kwargs["tensor"]
             with torch.no_grad():
                 tensor.zero_()
             return original(*args, **kwargs)
-        receive.__wrapped__ = original
         return receive
 
     for name in ("recv", "irecv"):
-        original = getattr(c10d, name)
-        if not hasattr(original, "__wrapped__"):
-            patched = zeroing(original)
-            setattr(c10d, name, patched)
-            setattr(dist, name, patched)
+        _patch_collective(name, zeroing)
 
 
 def _own_chunk_reduce_scatter() -> None:
-    """A fake group's reduce-scatter leaves its output as allocated (torch.empty: any bytes, NaN
-    included, so a rehearsal's gradient norm is non-finite and the optimizer leaves its update out);
-    fill it with this rank's own chunk of the input, what a reduction over one rank gives."""
-    from torch.distributed import distributed_c10d as c10d
+    """A reduce-scatter writes this rank's own chunk of the input into its output, what a reduction over
+    one rank gives: torch's fake group does so on the CPU with the torch tested here (2.13), and a
+    rehearsal should not depend on whether another version or device leaves the output as allocated."""
+    def own_chunk(original):
+        def reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
+            work = original(output, input, op=op, group=group, async_op=async_op)
+            with torch.no_grad():
+                me = dist.get_rank(group) if group is not None else dist.get_rank()
+                output.view(-1).copy_(input.view(-1)[me * output.numel():(me + 1) * output.numel()])
+            return work
+        return reduce_scatter_tensor
 
-    original = c10d.reduce_scatter_tensor
-    if hasattr(original, "__wrapped__"):
-        return
-
-    def reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        work = original(output, input, op=op, group=group, async_op=async_op)
-        with torch.no_grad():
-            me = dist.get_rank(group) if group is not None else dist.get_rank()
-            output.view(-1).copy_(input.view(-1)[me * output.numel():(me + 1) * output.numel()])
-        return work
-
-    reduce_scatter_tensor.__wrapped__ = original
-    c10d.reduce_scatter_tensor = reduce_scatter_tensor
-    dist.reduce_scatter_tensor = reduce_scatter_tensor
+    _patch_collective("reduce_scatter_tensor", own_chunk)
 
 
 def _start_rehearsal(r: Rehearsal, tensor_parallel: int, pipeline_parallel: int, on_gpu: bool) -> None:
