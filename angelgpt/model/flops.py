@@ -49,6 +49,11 @@ def layer_forward_flops_per_token(cfg: Config) -> int:
     return 2 * matmul_params + attention
 
 
+def head_forward_flops_per_token(cfg: Config) -> int:
+    """Matmul FLOPs of the output layer's forward per token (the logits)."""
+    return 2 * cfg.model.hidden_size * cfg.padded_vocab_size()
+
+
 def flops_per_iteration(cfg: Config, include_recompute: bool = False) -> int:
     """Model FLOPs of one optimizer step (forward + backward = 3 x forward, with the logits).
 
@@ -57,8 +62,7 @@ def flops_per_iteration(cfg: Config, include_recompute: bool = False) -> int:
     """
     tokens = cfg.train.global_batch_size * cfg.model.seq_length
     layers = cfg.model.num_layers * layer_forward_flops_per_token(cfg)
-    logits = 2 * cfg.model.hidden_size * cfg.padded_vocab_size()
-    total = 3 * tokens * (layers + logits)
+    total = 3 * tokens * (layers + head_forward_flops_per_token(cfg))
     if include_recompute:
         total += tokens * recomputed_layers(cfg) * layer_forward_flops_per_token(cfg)
     return total
