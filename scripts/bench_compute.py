@@ -39,8 +39,13 @@ def _model(size: str, tp: int, layers: int):
                                "parallel.pipeline_model_parallel_size=1",
                                f"parallel.sequence_parallel={'true' if tp > 1 else 'false'}",
                                "model.recompute=full", "model.activation_offload=none"])
+    from megatron.core import tensor_parallel
+    from megatron.core.transformer.module import Float16Module
+
     torch.manual_seed(0)
-    return cfg, build_gpt(cfg, on_gpu=True)
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    model = build_gpt(cfg, on_gpu=True)
+    return cfg, Float16Module(model.config, model)  # bf16 weights and inputs, as training runs it
 
 
 def _time(model, cfg, micro_batch: int, iters: int, warmup: int) -> float:

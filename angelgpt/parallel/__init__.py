@@ -4,7 +4,7 @@ A rehearsal (`angelgpt train --rehearse`) plays one rank of a larger world in on
 group is torch's fake process group, whose collectives return at once and move no data (an all-gather
 copies the rank's own input into every slot, a receive writes nothing: here it is zero-filled, so a
 pipeline stage gets zeros, not uninitialised memory, and a reduce-scatter writes this rank's own chunk
-whatever the torch version). `rehearsal()`
+whatever the torch version, Megatron's sequence-parallel one included). `rehearsal()`
 says so to the code that would otherwise wait on other ranks (resolving once on rank 0 and broadcasting
 an object, refusing together).
 """
@@ -37,10 +37,19 @@ def rehearsal() -> Optional[Rehearsal]:
     return _REHEARSAL["now"]
 
 
+# Megatron's modules that bind collectives to names of their own when imported (the sequence-parallel
+# gathers and reduce-scatters: dist_reduce_scatter_func, dist_all_gather_func), out of reach of a patch of
+# torch.distributed made later
+_BOUND_AT_IMPORT = ("megatron.core.tensor_parallel.layers", "megatron.core.tensor_parallel.mappings",
+                    "megatron.core.tensor_parallel.utils")
+
+
 def _patch_collective(name: str, wrap) -> None:
     """Replaces torch.distributed's `name` by wrap(original) where Megatron's P2P communicator,
-    batch_isend_irecv and the callers of torch.distributed look it up; once (a patched one keeps
-    `__wrapped__`)."""
+    batch_isend_irecv and the callers of torch.distributed look it up, and under any name that Megatron's
+    tensor-parallel modules bound it to (_BOUND_AT_IMPORT); once (a patched one keeps `__wrapped__`)."""
+    import importlib
+
     from torch.distributed import distributed_c10d as c10d
 
     original = getattr(c10d, name)
@@ -50,6 +59,10 @@ def _patch_collective(name: str, wrap) -> None:
     patched.__wrapped__ = original
     setattr(c10d, name, patched)
     setattr(dist, name, patched)
+    for module in map(importlib.import_module, _BOUND_AT_IMPORT):
+        for attr, value in list(vars(module).items()):
+            if value is original:
+                setattr(module, attr, patched)
 
 
 def _zero_filled_receives() -> None:
@@ -69,8 +82,11 @@ def _zero_filled_receives() -> None:
 
 def _own_chunk_reduce_scatter() -> None:
     """A reduce-scatter writes this rank's own chunk of the input into its output, what a reduction over
-    one rank gives: torch's fake group does so on the CPU with the torch tested here (2.13), and a
-    rehearsal should not depend on whether another version or device leaves the output as allocated."""
+    one rank gives. torch's fake group does so on the CPU with torch 2.13; with 2.11 (the GPU machine's)
+    it leaves the output as allocated, on the CPU and the GPU alike. Megatron's sequence-parallel
+    backward reduce-scatters every layer's input gradient: left as allocated on the GPU, those gradients
+    were any bytes, NaN included (every rehearsed gradient norm non-finite), and the GEMMs that read them
+    ran on such bytes, faster than on real values (bench_compute's tensor-parallel points before this)."""
     def own_chunk(original):
         def reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
             work = original(output, input, op=op, group=group, async_op=async_op)

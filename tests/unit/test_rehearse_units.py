@@ -46,3 +46,31 @@ def test_rehearsal_options_need_rehearse(option):
 def test_rehearsal_refuses_a_rank_outside_the_world():
     check_one_line_error(run_cli("train", "--size", "tiny", "--device", "cpu", "--nproc-per-node", "2",
                                  "--rehearse", "--rehearse-rank", "2"), "not a rank of a world of 2")
+
+
+def test_rehearsed_sequence_parallel_reduce_scatter_gives_this_ranks_own_chunk(monkeypatch):
+    """Under a torch whose fake group leaves a reduce-scatter's output as allocated (2.11's), Megatron's
+    sequence-parallel reduce-scatter, bound to its own name when Megatron was imported, still gives this
+    rank's chunk in a rehearsal: what a reduction over one rank gives, not any bytes."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import mappings
+    from torch.distributed import distributed_c10d as c10d
+
+    from angelgpt import parallel
+    from angelgpt.parallel.cpu_schedules import on_cpu
+
+    def leaves_output(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        return None
+
+    for where in (c10d, dist, mappings):
+        name = "dist_reduce_scatter_func" if where is mappings else "reduce_scatter_tensor"
+        monkeypatch.setattr(where, name, leaves_output)
+    parallel.initialize(2, 1, on_gpu=False, rehearse=parallel.Rehearsal(rank=1, world_size=2))
+    try:
+        full = torch.arange(8.0).view(4, 2)  # [s, h]: this rank's share is the second half of s
+        with on_cpu():  # Megatron allocates the output on the current CUDA device
+            assert torch.equal(mappings.reduce_scatter_to_sequence_parallel_region(full), full[2:])
+    finally:
+        parallel.destroy()
+        monkeypatch.setitem(parallel._REHEARSAL, "now", None)
