@@ -47,16 +47,16 @@ _BOUND_AT_IMPORT = ("megatron.core.tensor_parallel.layers", "megatron.core.tenso
 def _patch_collective(name: str, wrap) -> None:
     """Replaces torch.distributed's `name` by wrap(original) where Megatron's P2P communicator,
     batch_isend_irecv and the callers of torch.distributed look it up, and under any name that Megatron's
-    tensor-parallel modules bound it to (_BOUND_AT_IMPORT); once (a patched one keeps `__wrapped__`)."""
+    tensor-parallel modules bound it to (_BOUND_AT_IMPORT); once (a patched one is marked `_rehearsal_patch`)."""
     import importlib
 
     from torch.distributed import distributed_c10d as c10d
 
     original = getattr(c10d, name)
-    if hasattr(original, "__wrapped__"):
+    if getattr(original, "_rehearsal_patch", False):  # not `__wrapped__`: torch's own decorators set that
         return
     patched = wrap(original)
-    patched.__wrapped__ = original
+    patched.__wrapped__, patched._rehearsal_patch = original, True
     setattr(c10d, name, patched)
     setattr(dist, name, patched)
     for module in map(importlib.import_module, _BOUND_AT_IMPORT):
