@@ -111,7 +111,11 @@ _H200_SOURCES = {
                   "named in H200_STEP_RUNS (6 to 24 layers, Megatron's optimizers and ZeRO-Cache): planned "
                   "step times averaged 0.3% under the measured ones; with the host update at its in-training "
                   "rate (cpu_update_gparams) 0.4% over, 2.8% off in size, 7.7% at worst (FACTS.md: Megatron "
-                  "GPT forward and backward alone at h=8192 with full recompute 630 hardware TFLOP/s)",
+                  "GPT forward and backward alone at h=8192 with full recompute 630 hardware TFLOP/s). One figure "
+                  "for every micro batch and TP size: a rank's kernels alone (scripts/bench_compute.py, forward "
+                  "and backward with full recompute, no optimizer) ran 602-628 at TP 1 from 1 to 32 micro "
+                  "batches of 2,048 tokens (compute-grid.json) and 534-626 at TP 2-8 from 2 to 32 "
+                  "(compute-grid-tp-patched.json), flat in the micro batch; 570 is that less what training adds",
     "cpu_adam_gparams": "measured: FACTS.md, 'CPU AdamW, torch fused, fp32, 16 threads: 4.2 G params/s'",
     "cpu_update_gparams": "measured: ZeRO-Cache's host update in training with the CPU alone (weights offloaded, "
                           "no device updates), the update thread's median time a step after warm-up: 4.83B "
