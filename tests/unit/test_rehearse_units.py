@@ -52,6 +52,8 @@ def test_rehearsed_sequence_parallel_reduce_scatter_gives_this_ranks_own_chunk(m
     """Under a torch whose fake group leaves a reduce-scatter's output as allocated (2.11's), Megatron's
     sequence-parallel reduce-scatter, bound to its own name when Megatron was imported, still gives this
     rank's chunk in a rehearsal: what a reduction over one rank gives, not any bytes."""
+    import functools
+
     import torch
     import torch.distributed as dist
     from megatron.core.tensor_parallel import mappings
@@ -60,6 +62,7 @@ def test_rehearsed_sequence_parallel_reduce_scatter_gives_this_ranks_own_chunk(m
     from angelgpt import parallel
     from angelgpt.parallel.cpu_schedules import on_cpu
 
+    @functools.wraps(c10d.reduce_scatter_tensor)  # as torch decorates its own: with a `__wrapped__`
     def leaves_output(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
         return None
 
@@ -74,3 +77,4 @@ def test_rehearsed_sequence_parallel_reduce_scatter_gives_this_ranks_own_chunk(m
     finally:
         parallel.destroy()
         monkeypatch.setitem(parallel._REHEARSAL, "now", None)
+
