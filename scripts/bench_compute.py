@@ -9,11 +9,11 @@ rank's real shard, sequence parallel where the preset has it, collectives that m
 one micro batch's forward and backward with full recompute, as the presets run, twice: with one
 transformer layer and with three. The difference is two layers' time; what the one-layer model takes
 beyond one layer is the rest (embedding, logits, loss). No optimizer and no gradient accumulation: the
-time of the GPU's kernels alone, which the planner's compute time is a model of (planner.compute).
+time of the GPU's kernels alone, what the planner's compute time (planner.plan) stands for.
 
 One result file under --out (default benchmarks/results/, never overwritten: -runN is appended) with
 the command, commit, machine and, per point, the median times after warm-up in seconds and the hardware
-FLOPs each ran (planner.compute's counts), so that a fit can be redone from the file.
+FLOPs each ran (angelgpt.model.flops's counts), so that a fit can be redone from the file.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ sys.path.insert(0, str(ROOT))
 
 def _model(size: str, tp: int, layers: int):
     import torch
+    from megatron.core import tensor_parallel
+    from megatron.core.transformer.module import Float16Module
 
     from angelgpt.config import resolve
     from angelgpt.model.gpt import build_gpt
@@ -39,8 +41,6 @@ def _model(size: str, tp: int, layers: int):
                                "parallel.pipeline_model_parallel_size=1",
                                f"parallel.sequence_parallel={'true' if tp > 1 else 'false'}",
                                "model.recompute=full", "model.activation_offload=none"])
-    from megatron.core import tensor_parallel
-    from megatron.core.transformer.module import Float16Module
 
     torch.manual_seed(0)
     tensor_parallel.model_parallel_cuda_manual_seed(0)
@@ -111,29 +111,46 @@ def measure(size: str, tp: int, micro_batches, iters: int, warmup: int) -> list:
     return out
 
 
+def _positive_ints(text: str) -> list:
+    """'1,2,4' -> [1, 2, 4]; anything else is refused by argparse in one line (exit 2)."""
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive whole numbers separated by commas, got {text!r}")
+    return values
+
+
 def main() -> int:
-    from scripts.bench_train import call_id, commit, machine
+    from scripts.bench_train import call_id, commit, machine, new_result_path
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--name", required=True)
     ap.add_argument("--size", action="append", required=True, help="a preset whose shape is timed (repeatable)")
-    ap.add_argument("--tp", default="1,2,4,8", help="tensor-parallel sizes, comma separated")
-    ap.add_argument("--micro-batches", default="1,2,4,8,16,32")
+    ap.add_argument("--tp", type=_positive_ints, default="1,2,4,8", help="tensor-parallel sizes, comma separated")
+    ap.add_argument("--micro-batches", type=_positive_ints, default="1,2,4,8,16,32")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     a = ap.parse_args()
-    mbs = [int(x) for x in a.micro_batches.split(",")]
+    import torch
+
+    from angelgpt.config import ConfigError, resolve
+
+    for size in a.size:
+        try:
+            resolve(size, None, [])
+        except ConfigError as exc:
+            ap.error(f"--size {size}: {exc}")
+    if not torch.cuda.is_available():
+        ap.error("times the GPU's kernels: needs a CUDA GPU")
     points = []
     started = time.time()
     for size in a.size:
-        for tp in [int(x) for x in a.tp.split(",")]:
-            points += measure(size, tp, mbs, a.iters, a.warmup)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    f, n = out / f"{a.name}.json", 2
-    while f.exists():
-        f, n = out / f"{a.name}-run{n}.json", n + 1
+        for tp in a.tp:
+            points += measure(size, tp, a.micro_batches, a.iters, a.warmup)
+    f = new_result_path(a.out, a.name)
     f.write_text(json.dumps({"command": " ".join(["python", *sys.argv]), "commit": commit(), "machine": machine(),
                              "call": call_id(), "wall_s": round(time.time() - started, 1),
                              "what": "one micro batch's forward and backward with full recompute, no optimizer; "

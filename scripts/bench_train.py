@@ -80,6 +80,17 @@ def commit(root=ROOT) -> str:
         return "unknown"
 
 
+def new_result_path(out, name: str) -> Path:
+    """out/NAME.json, or out/NAME-runN.json with the first N from 2 not taken: a result file is never
+    overwritten, a run again of a case gets the next number. Makes `out`."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    path, n = out / f"{name}.json", 2
+    while path.exists():
+        path, n = out / f"{name}-run{n}.json", n + 1
+    return path
+
+
 def given_config(size: str, overrides) -> dict:
     """Every field of the config the run was given ('auto' as given; the run's `settings` lines say
     what it resolved to), so that a default that changes later is still on record."""
@@ -196,13 +207,7 @@ def main() -> int:
     else:
         tail = proc.stdout[-20000:] + proc.stderr[-20000:]
         result.update(failure(tail, proc.returncode), log_tail=tail[-4000:])
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{args.name}.json"
-    n = 1
-    while path.exists():  # a result file is never overwritten: a run again of a case gets the next number
-        n += 1
-        path = out / f"{args.name}-run{n}.json"
+    path = new_result_path(args.out, args.name)
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {path}: " + json.dumps({k: v for k, v in result.items() if k.endswith("median") or k.startswith("goal")
                                            or k.startswith("peak")}))
