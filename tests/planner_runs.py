@@ -127,10 +127,12 @@ def misses(measured: Dict[str, Optional[float]], planned: Dict[str, float], skip
     return out
 
 
-# A rehearsal runs on whatever GPU rehearses the target, with its collectives faked: its step time is not
-# the target's. What is compared is its compute: the median forward-backward time of steps 2.. against
-# the planner's compute time on the GPU that rehearsed (the report's compute_here_s: the target's compute
-# scaled by the two GPUs' catalogue rates); reports without it compare memory only.
+# A rehearsal runs on whatever machine rehearses the target, with its collectives faked: its step time is
+# not the target's. What is compared is the median step (forward-backward plus optimizer step) of steps
+# 2.. against the planner's step of the rank on the rehearsing machine, collectives left out (the report's
+# step_here_s: the target's memory and layout at that machine's rates, planner.rehearsing_machine).
+# Reports written before it (no step_here_s) compare the median forward-backward time with the planner's
+# compute time alone on that GPU (compute_here_s); reports with neither compare memory only.
 
 
 def rehearsal_points(report: dict) -> List[Tuple[str, dict, dict, Optional[str]]]:
@@ -149,12 +151,15 @@ def rehearsal_points(report: dict) -> List[Tuple[str, dict, dict, Optional[str]]
             if failure is None:
                 continue  # predicted not to fit, and did not: nothing to compare
         gpu = gpu_measured_gib(m.get("gpu_peak_allocated_bytes", 0) / GIB)
-        fb = [s.get("forward_backward_s") for s in (m.get("steps") or [])][1:]
-        fb = sorted(v for v in fb if v is not None)
-        compute = fb[len(fb) // 2] if fb and p.get("compute_here_s") is not None else None
+        whole = p.get("step_here_s") is not None
+        planned = p.get("step_here_s") if whole else p.get("compute_here_s")
+        times = [s.get("forward_backward_s") + (s.get("optimizer_step_s") or 0.0 if whole else 0.0)
+                 for s in (m.get("steps") or [])[1:] if s.get("forward_backward_s") is not None]
+        times.sort()
+        step = times[len(times) // 2] if times and planned is not None else None
         measured = {"gpu": gpu if r.get("device") == "cuda" else None,
-                    "host": m.get("host_peak_rss_bytes", 0) / GIB, "step": compute}
+                    "host": m.get("host_peak_rss_bytes", 0) / GIB, "step": step}
         predicted = {"gpu": p.get("gpu_total_bytes", 0) / GIB, "host": p.get("host_per_rank_bytes", 0) / GIB,
-                     "step": p.get("compute_here_s") or 0.0}
+                     "step": planned or 0.0}
         out.append((label, measured, predicted, failure))
     return out

@@ -76,19 +76,22 @@ def _gib(b) -> str:
     return f"{b / 2 ** 20:.2f} MiB" if 0 < b < GIB // 100 else f"{b / GIB:.2f} GiB"
 
 
-def _predicted(p, gpus_per_node: int, pp_rank: int, target_tflops: float, here_tflops: Optional[float]) -> dict:
-    """The planner's numbers for the rank, plus its compute time on the GPU the rehearsal runs on (the
-    target's compute scaled by the two GPUs' catalogue rates: what the measured forward-backward time
-    is to be compared with when the rehearsing GPU is not the target's)."""
+def _predicted(p, here, pp_rank: int, target_tflops: float, here_tflops: Optional[float]) -> dict:
+    """The planner's numbers for the rank on the target (`p`), plus, from `here` (the plan of the same
+    rank on the rehearsing machine, planner.rehearsing_machine; None on CPU) its step there with the
+    collectives left out, which a rehearsal fakes: what the measured step (forward-backward and optimizer
+    step) is compared with. compute_here_s: the target's compute alone scaled by the two GPUs' rates."""
     host_rank = sum(p.host_bytes.values())
     compute = p.step_s.get("compute", 0.0)
+    step_here = {k: v for k, v in here.step_s.items() if k != "network"} if here is not None else None
     return {"for": f"data-parallel rank 0 of pipeline stage {pp_rank} (the planner's per-rank model)",
             "system": p.system, "fits": p.fits, "gpu_bytes": p.gpu_bytes, "gpu_total_bytes": p.gpu_total,
             "host_bytes": p.host_bytes, "host_per_rank_bytes": host_rank, "host_node_bytes": p.host_total,
             "margin_bytes": p.margin, "step_s": p.step_s, "step_time_s": p.step_time_s,
             "bottleneck": p.bottleneck, "rate": p.rate, "target_gpu_tflops": target_tflops,
             "here_gpu_tflops": here_tflops,
-            "compute_here_s": compute * target_tflops / here_tflops if here_tflops else None}
+            "compute_here_s": compute * target_tflops / here_tflops if here_tflops else None,
+            "step_here": step_here, "step_here_s": round(sum(step_here.values()), 4) if step_here else None}
 
 
 def _median_after_first(values: List[float]) -> Optional[float]:
@@ -124,8 +127,9 @@ def render_rank(r: dict) -> str:
         fb = _median_after_first([s["forward_backward_s"] for s in steps])
         opt = _median_after_first([s["optimizer_step_s"] for s in steps])
         which = f"median of steps 2-{len(steps)}" if len(steps) > 2 else f"step {len(steps)}"
-        here = p.get("compute_here_s")
-        here = f"compute {here:.4f} s on this GPU, " if here is not None else ""
+        here = p.get("step_here_s")
+        here = (f"step {here:.4f} s on this machine (compute {p['step_here']['compute']:.4f}), "
+                if here is not None else "")
         lines.append(f"  step  {fb + opt:.4f} s measured (forward-backward {fb:.4f} + optimizer step {opt:.4f}; "
                      f"{which}; collectives faked)   | predicted {here}compute "
                      f"{p.get('step_s', {}).get('compute', 0):.4f} s, step {p.get('step_time_s', 0):.4f} s on the target")
@@ -204,14 +208,14 @@ def rehearse(cfg, size: Optional[str], config: Optional[str], extra: List[str], 
                           f"({nnodes} x {nproc_per_node}): 0 to {world - 1}")
 
     hw, gpu_total = target_machine(cfg.zero_cache, on_gpu, nproc_per_node, machine, gpu_mem, host_mem)
-    here_tflops = None
-    if on_gpu:  # this GPU's catalogue rate, to put the target's compute time in this GPU's terms
+    here = None
+    if on_gpu:  # this machine's catalogue rates, to plan the rank as it runs here
         import torch
 
-        from angelgpt.planner import describe
+        from angelgpt.planner import describe, rehearsing_machine
 
         props = torch.cuda.get_device_properties(0)
-        here_tflops = describe(props.name, props.total_memory, 1, 0, 0).gpu_tflops
+        here = rehearsing_machine(hw, describe(props.name, props.total_memory, 1, 0, 0))
     # ZeRO-Cache's host budget per rank: the target node's host memory over its GPUs (or less, if set)
     share = hw.host_mem_gib / nproc_per_node
     zc = cfg.zero_cache
@@ -254,7 +258,8 @@ def rehearse(cfg, size: Optional[str], config: Optional[str], extra: List[str], 
             kind = stage_kind(where["pp_rank"], pp)
             print(f"rehearsing rank {rank} ({kind} stage) ...", flush=True)
             path = os.path.join(tmp, f"rank{rank}.json")
-            env = launch.worker_env(on_gpu, nproc_per_node, cfg.optim.optimizer)
+            # the rank has this host alone: every core its threads (the CPU figures the plan here is of)
+            env = launch.worker_env(on_gpu, 1, cfg.optim.optimizer)
             env.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank % nproc_per_node),
                         "LOCAL_WORLD_SIZE": str(nproc_per_node), "GROUP_RANK": str(rank // nproc_per_node),
                         MACHINE_ENV: hw.to_json(), RESOLVED_ENV: line,
@@ -278,10 +283,11 @@ def rehearse(cfg, size: Optional[str], config: Optional[str], extra: List[str], 
                       file=sys.stderr)
             report.update(stage=kind, coordinates=where, node_rank=rank // nproc_per_node, gpu_cap_bytes=gpu_cap,
                           host_budget_bytes=int(host_max * GIB), host_share_bytes=int(share * GIB),
-                          exit_code=proc.returncode,
-                          predicted=_predicted(plan_for(resolved, hw, nproc_per_node, nnodes,
-                                                        pp_rank=where["pp_rank"]), nproc_per_node, where["pp_rank"],
-                                              hw.gpu_tflops, here_tflops))
+                          cpu_threads=int(env["OMP_NUM_THREADS"]), exit_code=proc.returncode,
+                          predicted=_predicted(
+                              plan_for(resolved, hw, nproc_per_node, nnodes, pp_rank=where["pp_rank"]),
+                              plan_for(resolved, here, nproc_per_node, nnodes, pp_rank=where["pp_rank"]) if here
+                              else None, where["pp_rank"], hw.gpu_tflops, here.gpu_tflops if here else None))
             results.append(report)
             print(render_rank(report), flush=True)
             if not report.get("fits"):

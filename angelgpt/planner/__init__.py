@@ -8,9 +8,11 @@ Parts: machines (the catalogue and this machine's reading), plan (the memory and
 prints). Torch-free except `read_this_machine`, which reads the device.
 """
 
-from angelgpt.planner.machines import GIB, MACHINES, Machine, describe, machine_from, read_this_machine
+from angelgpt.planner.machines import (GIB, MACHINES, Machine, describe, machine_from, read_this_machine,
+                                       rehearsing_machine)
 from angelgpt.planner.plan import SystemPlan, auto_plan, beside_store_bytes, plan, plan_for
 from angelgpt.planner.resolve import resolve_config, resolved_line
 
 __all__ = ["GIB", "MACHINES", "Machine", "SystemPlan", "auto_plan", "beside_store_bytes", "describe",
-           "machine_from", "plan", "plan_for", "read_this_machine", "resolve_config", "resolved_line"]
+           "machine_from", "plan", "plan_for", "read_this_machine", "rehearsing_machine", "resolve_config",
+           "resolved_line"]

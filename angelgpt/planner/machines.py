@@ -3,7 +3,8 @@
 Owns `Machine` (built with keyword arguments; `sources` says for every figure whether it was measured,
 and where, or assumed, and why), the catalogue `MACHINES`, `machine_from` (a catalogue entry with
 figures given on the command line), `describe` (the catalogue's figures for a GPU read by name, with
-the memory, host memory and disk read on the machine) and `read_this_machine` (that reading, here).
+the memory, host memory and disk read on the machine), `read_this_machine` (that reading, here) and
+`rehearsing_machine` (a target node as one of its ranks runs when rehearsed on another machine).
 Also `Machine.to_json`/`from_json`: the launcher passes its reading to the workers, so that both
 resolve 'auto' from the same inputs. Torch-free except `read_this_machine`.
 
@@ -179,6 +180,24 @@ def machine_from(name: Optional[str], **overrides) -> Machine:
     for k, v in given.items():
         sources[k] = f"given: {v:g} by the caller, over the catalogue's {getattr(hw, k):g}"
     return replace(hw, **given, sources=sources)
+
+
+def rehearsing_machine(target: Machine, here: Machine) -> Machine:
+    """The target node as a rehearsal on `here` plays one of its ranks (angelgpt.cli.rehearse): the
+    target's memory and layout, by which the rank is placed, with `here`'s rates, by which it runs. The
+    rank has the rehearsing host to itself (every core its threads, its disk), and the plan divides a
+    node's CPU and NVMe figures among the node's GPUs, so those figures are `here`'s whole, times the
+    target's GPUs per node; the GPU's rates (compute, PCIe) are `here`'s GPU's."""
+    n = target.gpus_per_node
+    whole = {"cpu_adam_gparams": here.cpu_adam_gparams * n, "cpu_update_gparams": here.cpu_update_gparams * n,
+             "nvme_gbs": here.nvme_gbs * n}
+    rates = {"gpu_tflops": here.gpu_tflops, "pcie_gbs": here.pcie_gbs, "net_gbps": here.net_gbps, **whole}
+    sources = dict(target.sources)
+    for k in rates:
+        sources[k] = (f"{here.sources.get(k, 'unknown source')} [the rehearsing machine {here.name}"
+                      + (f"'s whole host for the one rank: times {n}, the target's GPUs per node]" if k in whole
+                         else "]"))
+    return replace(target, name=f"{target.name} rehearsed on {here.name}", sources=sources, **rates)
 
 
 # A GPU the catalogue does not know: rates no better than the slowest catalogue GPU's, and the measured

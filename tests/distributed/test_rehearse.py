@@ -35,6 +35,8 @@ def test_rehearsal_of_each_stage_kind_reports_memory_beside_the_plan(tmp_path):
     for r in ranks.values():
         m = r["measured"]
         assert r["fits"] and r["exit_code"] == 0 and r["ran_out"] is None
+        assert r["cpu_threads"] == 1  # OMP_NUM_THREADS as run_cli sets it: the user's setting is kept
+        assert r["predicted"]["step_here_s"] is None  # no GPU here: nothing to time it by
         assert 0 < m["host_peak_rss_bytes"] < total
         assert len(m["steps"]) == 3 and all(s["forward_backward_s"] > 0 for s in m["steps"])
         assert m["steps"][-1]["zero_cache_profile"] is not None

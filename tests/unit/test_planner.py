@@ -275,3 +275,27 @@ def test_where_no_rate_fits_the_plan_is_the_closest_and_says_by_how_much():
     header = next(line for line in out.stdout.splitlines() if line.startswith("== zero_cache"))
     assert f"prefetch_cache_sub_group_rate {auto.rate:.2f}" in header and "DOES NOT FIT" in header, header
     assert "no rate fits; the closest shown" in header and "GiB" in header, header
+
+
+def test_a_rank_rehearsed_elsewhere_is_planned_with_the_targets_memory_and_that_machines_rates():
+    """rehearsing_machine: the 55 preset's rank of an 8x A100-40G node, rehearsed on an H200, is placed
+    as on the target (same GPU and host bytes) and timed at the H200's rates: compute at the H200's rate,
+    and the host update at the H200 host's whole rate (the one rank has that host alone), not an eighth
+    of it as the target's node share."""
+    from angelgpt.planner import machine_from, rehearsing_machine, resolve_config
+
+    target = machine_from("a100-40gx8", host_mem_gib=1000.0)
+    here = MACHINES["h200"]
+    cfg = resolve(size="55")
+    cfg = replace(cfg, zero_cache=replace(cfg.zero_cache, host_max_gib=125.0))
+    cfg, _ = resolve_config(cfg, target, 8, 1, True)
+    # the whole update exposed and on the CPU alone, so its time is the host numel over the CPU's rate
+    cfg = replace(cfg, zero_cache=replace(cfg.zero_cache, pipeline_optimizer=False, device_update_fraction=0.0))
+    there, rehearsed = plan_for(cfg, target, 8), plan_for(cfg, rehearsing_machine(target, here), 8)
+    assert (rehearsed.gpu_bytes, rehearsed.host_bytes) == (there.gpu_bytes, there.host_bytes)
+    assert rehearsed.step_s["compute"] == pytest.approx(there.step_s["compute"] * target.gpu_tflops / here.gpu_tflops,
+                                                        rel=1e-3)
+    update = there.step_s["cpu_optimizer"]
+    assert update > 1.0
+    assert rehearsed.step_s["cpu_optimizer"] == pytest.approx(
+        update * (target.cpu_update_gparams / 8) / here.cpu_update_gparams, rel=1e-3)

@@ -119,7 +119,7 @@ def test_rehearsal_report_matches_its_prediction(path):
 
 
 def _rank(rank, gpu_gib, rss_gib, pred_gpu_gib, pred_host_gib, fits=True, predicted_fits=True, device="cuda",
-          reserved_gib=0.0, fb=(9.0,), compute_here=None):
+          reserved_gib=0.0, fb=(9.0,), compute_here=None, step_here=None):
     return {"rank": rank, "stage": "first", "fits": fits, "device": device,
             "ran_out": None if fits else {"resource": "GPU memory", "message": "CUDA out of memory"},
             "measured": {"gpu_peak_allocated_bytes": int(gpu_gib * GIB), "host_peak_rss_bytes": int(rss_gib * GIB),
@@ -127,16 +127,18 @@ def _rank(rank, gpu_gib, rss_gib, pred_gpu_gib, pred_host_gib, fits=True, predic
                          "steps": [{"forward_backward_s": v, "optimizer_step_s": 0.1} for v in fb]},
             "predicted": {"fits": predicted_fits, "gpu_total_bytes": int(pred_gpu_gib * GIB),
                           "host_per_rank_bytes": int(pred_host_gib * GIB), "step_time_s": 1.0,
-                          "compute_here_s": compute_here}}
+                          "compute_here_s": compute_here, "step_here_s": step_here}}
 
 
 def test_rehearsal_comparison_on_a_synthetic_report():
     """Within 10% passes; 11% off in GPU memory or host memory is a miss; the GPU figure is the peak
     allocated plus the CUDA context, whatever the allocator reserved beyond it (cache it gives back under
-    pressure: 28 GiB allocated and 35 reserved meet a plan of 30, 28 allocated miss a plan of 33); the median forward-backward time of steps 2.. is compared
-    with the planner's compute time on the GPU that rehearsed (within 15%), and not at all where the
-    report has none; a CPU rehearsal compares host memory only; a rank that ran out where the planner
-    said it fits is a failure, one predicted not to fit is not compared."""
+    pressure: 28 GiB allocated and 35 reserved meet a plan of 30, 28 allocated miss a plan of 33); the
+    median step (forward-backward plus optimizer step) of steps 2.. is compared with the planner's step on
+    the rehearsing machine where the report has it, else the median forward-backward time with the
+    planner's compute time on that GPU (within 15%), and not at all where the report has neither; a CPU
+    rehearsal compares host memory only; a rank that ran out where the planner said it fits is a failure,
+    one predicted not to fit is not compared."""
     report = {"ranks": [_rank(0, 35.0, 20.0, 38.0, 21.0),
                         _rank(1, 29.0, 20.0, 33.3, 20.0),
                         _rank(2, 29.0, 20.0, 30.0, 17.7),
@@ -146,9 +148,13 @@ def test_rehearsal_comparison_on_a_synthetic_report():
                         _rank(6, 28.0, 20.0, 30.0, 20.0, reserved_gib=35.0),
                         _rank(7, 28.0, 20.0, 33.0, 20.0),
                         _rank(8, 29.0, 20.0, 30.0, 20.0, fb=(30.0, 10.0, 10.5, 11.0), compute_here=12.0),
-                        _rank(9, 29.0, 20.0, 30.0, 20.0, fb=(30.0, 10.0, 10.5, 11.0), compute_here=13.0)]}
+                        _rank(9, 29.0, 20.0, 30.0, 20.0, fb=(30.0, 10.0, 10.5, 11.0), compute_here=13.0),
+                        _rank(10, 29.0, 20.0, 30.0, 20.0, fb=(30.0, 10.0, 10.5, 11.0), compute_here=9.0,
+                              step_here=12.0),
+                        _rank(11, 29.0, 20.0, 30.0, 20.0, fb=(30.0, 10.0, 10.5, 11.0), compute_here=10.6,
+                              step_here=9.0)]}
     points = rehearsal_points(report)
-    assert [label.split()[1] for label, *_ in points] == ["0", "1", "2", "3", "4", "6", "7", "8", "9"]
+    assert [label.split()[1] for label, *_ in points] == ["0", "1", "2", "3", "4", "6", "7", "8", "9", "10", "11"]
     found = {label.split()[1]: (misses(m, p), failure) for label, m, p, failure in points}
     assert found["0"] == ({}, None)
     assert set(found["1"][0]) == {"gpu"} and set(found["2"][0]) == {"host"}
@@ -156,6 +162,9 @@ def test_rehearsal_comparison_on_a_synthetic_report():
     assert "ran out" in found["4"][1] and "predicted it fits" in found["4"][1]
     assert found["6"] == ({}, None) and set(found["7"][0]) == {"gpu"}
     assert found["8"] == ({}, None) and found["9"][0] == {"step": (10.5, 13.0)}  # 14% and 24% off
+    # the step here (10.6 with the optimizer's 0.1) against 12.0: 13% off; against 9.0: 15.1% off, a
+    # miss though the forward-backward alone is within 1% of the compute
+    assert found["10"] == ({}, None) and found["11"][0] == {"step": (10.6, 9.0)}
 
 
 def test_the_readme_rehearsal_table_holds_what_its_files_say():
