@@ -16,8 +16,10 @@ Memory (bytes per rank):
   device-tier chunks exactly as ZeRO-Cache allocates them (``placement.tier_bytes``), activations by
   Megatron's formula (Korthikanti et al., 2022: s*b*h*34 per layer without recompute with flash
   attention, s*b*h*2 per recomputed layer plus one layer's full set while it recomputes; logits in
-  fp32), and a fixed workspace. With model.activation_offload 'checkpoints' the recomputed layers' kept
-  inputs leave the GPU for pinned host memory (offloaded_activation_bytes).
+  fp32; what a micro batch keeps until its backward, once per micro batch the stage holds in flight
+  under 1F1B: micro_batches_in_flight), and a fixed workspace. With model.activation_offload
+  'checkpoints' the recomputed layers' kept inputs leave the GPU for pinned host memory
+  (offloaded_activation_bytes).
   Host: the host-tier chunks exactly as allocated, the two pinned upload buffers, the offloaded
   activations, and the process.
   NVMe: the NVMe-tier chunks.
@@ -81,10 +83,23 @@ def host_update_rates(hw: Machine, gpus_per_node: int, cpu_adam: str = "auto"):
     return cpu, cpu * CPU_BESIDE_DEVICE_UPDATE, hw.pcie_gbs * DEVICE_UPDATE_PER_PCIE_GBS * 1e9
 
 
-def activation_bytes(cfg: Config, recompute: Optional[bool] = None, offload: Optional[bool] = None) -> int:
-    """Peak GPU activation memory of one pipeline stage for one micro batch (bf16): as configured, or with
-    every layer recomputed (True) or none (False); the recomputed layers' kept inputs off the GPU with
-    activation offload as configured ('auto' counts as off), or on (True) or off (False)."""
+def micro_batches_in_flight(cfg: Config, dp: int, pp_rank: int = 0) -> int:
+    """Micro batches whose forward has run and backward not yet, at most, on pipeline stage pp_rank:
+    Megatron's 1F1B schedule (non-interleaved) runs PP - pp_rank - 1 warm-up forwards, then one more
+    forward before each backward, so stage p holds up to PP - p of them (fewer when the step has fewer
+    micro batches); 1 without pipeline parallelism."""
+    pp = cfg.parallel.pipeline_model_parallel_size
+    return max(1, min(pp - pp_rank, cfg.num_microbatches(dp)))
+
+
+def activation_bytes(cfg: Config, recompute: Optional[bool] = None, offload: Optional[bool] = None,
+                     in_flight: int = 1) -> int:
+    """Peak GPU activation memory of one pipeline stage with `in_flight` micro batches between forward and
+    backward (micro_batches_in_flight; bf16): as configured, or with every layer recomputed (True) or none
+    (False); the recomputed layers' kept inputs off the GPU with activation offload as configured ('auto'
+    counts as off), or on (True) or off (False). What a micro batch stores until its backward counts once
+    per micro batch in flight; the logits and a recomputed layer's full set, made during one micro
+    batch's backward, once."""
     m, tp = cfg.model, cfg.parallel.tensor_model_parallel_size
     s, b, h = m.seq_length, cfg.train.micro_batch_size, m.hidden_size
     layers = m.num_layers // cfg.parallel.pipeline_model_parallel_size
@@ -108,7 +123,8 @@ def activation_bytes(cfg: Config, recompute: Optional[bool] = None, offload: Opt
     logits = s * b * cfg.padded_vocab_size() // tp * (MODEL_BYTES + 4)
     # the logits peak at the end of forward, beside every layer's stored activations; they are gone
     # before the last recomputed layer's full set is made again in backward
-    return on_gpu_inputs + max((layers - recomputed) * full_layer + logits, full_layer if recomputed else 0)
+    return in_flight * on_gpu_inputs + (in_flight - 1) * (layers - recomputed) * full_layer + max(
+        (layers - recomputed) * full_layer + logits, full_layer if recomputed else 0)
 
 
 def _offloading(cfg: Config, offload: Optional[bool] = None) -> bool:
@@ -123,12 +139,13 @@ def _layer_input_bytes(cfg: Config) -> int:
     return 2 * m.seq_length * cfg.train.micro_batch_size * m.hidden_size // sp
 
 
-def offloaded_activation_bytes(cfg: Config) -> int:
+def offloaded_activation_bytes(cfg: Config, in_flight: int = 1) -> int:
     """Bytes that activation offload ('checkpoints') moves from one stage's GPU to pinned host memory for
-    one micro batch: every recomputed layer's kept input (0 without offload or without recompute)."""
+    one micro batch: every recomputed layer's kept input (0 without offload or without recompute); what
+    the host holds with `in_flight` micro batches between forward and backward is that many times it."""
     if not _offloading(cfg):
         return 0
-    return recomputed_layers(cfg) // cfg.parallel.pipeline_model_parallel_size * _layer_input_bytes(cfg)
+    return in_flight * recomputed_layers(cfg) // cfg.parallel.pipeline_model_parallel_size * _layer_input_bytes(cfg)
 
 
 def accumulating(cfg: Config, dp: int) -> bool:
@@ -145,11 +162,12 @@ def grad_bytes(cfg: Config, dp: int, model_bytes: int = MODEL_BYTES) -> int:
     return 4 if cfg.optim.accumulate_grads_in_fp32 and cfg.num_microbatches(dp) > 1 else model_bytes
 
 
-def beside_store_bytes(cfg: Config) -> int:
+def beside_store_bytes(cfg: Config, in_flight: int = 1) -> int:
     """Device memory training needs beside ZeRO-Cache's store that the optimizer cannot count itself:
-    the activations of a micro batch (as configured: recompute resolved) and the workspace. The optimizer
-    adds the gradients and fetched weights (placement.training_reserve) and leaves GPU_HEADROOM free."""
-    return activation_bytes(cfg) + WORKSPACE
+    the activations of the stage's micro batches in flight (micro_batches_in_flight; as configured:
+    recompute resolved) and the workspace. The optimizer adds the gradients and fetched weights
+    (placement.training_reserve) and leaves GPU_HEADROOM free."""
+    return activation_bytes(cfg, in_flight=in_flight) + WORKSPACE
 
 
 def _fetch_depth(cfg: Config, layer_numel: int) -> int:
@@ -200,12 +218,13 @@ def _world(cfg: Config, gpus_per_node: int, nodes: int):
     return world, dp
 
 
-def _finish(system, cfg, hw, gpus_per_node, world, gpu, host, nvme, step, rate=None) -> SystemPlan:
+def _finish(system, cfg, hw, gpus_per_node, world, gpu, host, nvme, step, rate=None, pp_rank=0) -> SystemPlan:
     gpu_cap, host_cap, nvme_cap, _ = _capacity(hw, gpus_per_node)
     offloaded = offloaded_activation_bytes(cfg)
-    if offloaded:  # pinned host memory for one micro batch's inputs; down and up on the compute stream
-        host = {**host, "offloaded_activations": offloaded}
+    if offloaded:  # pinned host memory for the micro batches in flight; down and up on the compute stream
         mb = cfg.num_microbatches(cfg.data_parallel_size(world))
+        in_flight = micro_batches_in_flight(cfg, cfg.data_parallel_size(world), pp_rank)
+        host = {**host, "offloaded_activations": offloaded * in_flight}
         step = {**step, "activation_offload": mb * 2 * offloaded / (hw.pcie_gbs * 1e9)}
     gpu_total = sum(gpu.values())
     host_total = sum(host.values()) * gpus_per_node  # ranks of one node share its host memory
@@ -366,7 +385,7 @@ def plan_zero_cache(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int
                     rate: Optional[float] = None, nvme: Optional[bool] = None, pp_rank: int = 0) -> SystemPlan:
     """ZeRO-Cache on data-parallel rank 0 of pipeline stage pp_rank (default the first, the largest: it
     holds the embedding): its parameters and store. A rate of 'auto' is chosen for the first stage.
-    Activations are the one-micro-batch model of activation_bytes whatever the stage."""
+    Activations are activation_bytes's, for the stage's micro batches in flight."""
     world, dp = _world(cfg, gpus_per_node, nodes)
     zc = cfg.zero_cache
     if rate is None:
@@ -379,7 +398,8 @@ def plan_zero_cache(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int
         return resolved
     params = rank_params(cfg, pp_rank)
     model_numel = sum(p.numel for p in params)
-    host_limit = hw.host_mem_gib * GIB / gpus_per_node - HOST_PROCESS - offloaded_activation_bytes(cfg)
+    in_flight = micro_batches_in_flight(cfg, dp, pp_rank)
+    host_limit = hw.host_mem_gib * GIB / gpus_per_node - HOST_PROCESS - offloaded_activation_bytes(cfg, in_flight)
     if zc.host_max_gib is not None:
         host_limit = min(host_limit, zc.host_max_gib * GIB)
     fraction = device_update_fraction(cfg, hw, gpus_per_node)
@@ -398,7 +418,7 @@ def plan_zero_cache(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int
         "fetched_weights": reserve[1] - reserve[0],
         "gradients": reserve[0],
         "cached_states": tb["device"],  # with the device update buffers
-        "activations": activation_bytes(cfg),
+        "activations": activation_bytes(cfg, in_flight=in_flight),
         "workspace": WORKSPACE + CUDA_CONTEXT,
     }
     uploads = [n for n, t in zip(numels, tiers) if t != "device"]
@@ -455,7 +475,7 @@ def plan_zero_cache(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int
         "network": max(0.0, network - compute / 2),
     }
     return replace(_finish("zero_cache", cfg, hw, gpus_per_node, world, gpu, host, tb.get("nvme", 0), step,
-                           float(rate)), offload_params=offload_params_on(cfg), accumulate_in_store=in_store,
+                           float(rate), pp_rank), offload_params=offload_params_on(cfg), accumulate_in_store=in_store,
                    device_update_fraction=fraction if any(streamed) else 0.0)
 
 
@@ -526,7 +546,7 @@ def plan_megatron(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int =
     # peers-megatron-L7-mb1-gb32-recomputenone.json, peers-megatron-L7-mb2-gb32-recomputenone.json,
     # peers-megatron-L7-mb4-gb32.json). The step's
     # temporaries and the activations are not live at once: the larger of the two counts.
-    activations = activation_bytes(cfg)
+    activations = activation_bytes(cfg, in_flight=micro_batches_in_flight(cfg, dp, pp_rank))
     # main grads in fp32 (optim.accumulate_grads_in_fp32: grad_reduce_in_fp32), else in bf16, from which
     # the step makes an fp32 copy of the rank's shard (distrib_optimizer's _copy_model_grads_to_main_grads)
     fp32 = cfg.optim.accumulate_grads_in_fp32
@@ -540,7 +560,7 @@ def plan_megatron(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int =
             # torch's fused AdamW on the H200, 120 G params/s (FACTS.md's probe; no committed result file)
             "gpu_optimizer": n / dp / 120e9,
             "network": (dp - 1) / dp * n * (4 + MODEL_BYTES) / (hw.net_gbps * 1e9) if dp > 1 else 0.0}
-    return _finish("megatron", cfg, hw, gpus_per_node, world, gpu, host, 0, step)
+    return _finish("megatron", cfg, hw, gpus_per_node, world, gpu, host, 0, step, pp_rank=pp_rank)
 
 
 @_recompute_choice
@@ -561,14 +581,15 @@ def plan_megatron_cpu_offload(cfg: Config, hw: Machine, gpus_per_node: int = 1, 
     # peers-megatron_cpu_offload-L13-mb2-gb32.json)
     gpu = {"weights": n * MODEL_BYTES, "main_grads": n * (4 if cfg.optim.accumulate_grads_in_fp32 else MODEL_BYTES),
            "optimizer_states": int(shard * 12 * (1 - f)),
-           "transfer_buffers": int(shard * 2.8 * f), "activations": activation_bytes(cfg),
+           "transfer_buffers": int(shard * 2.8 * f),
+           "activations": activation_bytes(cfg, in_flight=micro_batches_in_flight(cfg, dp, pp_rank)),
            "workspace": WORKSPACE + CUDA_CONTEXT}
     host = {"host_states": int(shard * 16.9 * f), "step_transient": int(shard * 4 * f), "process": HOST_PROCESS}
     step = {"compute": _compute_s(cfg, hw, world),
             "cpu_optimizer": shard * f * gpus_per_node / (hw.cpu_adam_gparams * 1e9),
             "gpu_optimizer": shard * (1 - f) / 120e9,
             "network": (dp - 1) / dp * n * (4 + MODEL_BYTES) / (hw.net_gbps * 1e9) if dp > 1 else 0.0}
-    return _finish("megatron_cpu_offload", cfg, hw, gpus_per_node, world, gpu, host, 0, step)
+    return _finish("megatron_cpu_offload", cfg, hw, gpus_per_node, world, gpu, host, 0, step, pp_rank=pp_rank)
 
 
 @_recompute_choice
@@ -580,7 +601,8 @@ def plan_zero3_offload(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: 
     n = sum(p.numel for p in rank_params(cfg, 0))
     shard = -(-n // dp)
     largest = max(p.numel for p in rank_params(cfg, 0) if p.sub_group == 1) * 12  # one layer gathered
-    gpu = {"gathered_weights": 2 * largest * MODEL_BYTES, "activations": activation_bytes(cfg),
+    gpu = {"gathered_weights": 2 * largest * MODEL_BYTES,
+           "activations": activation_bytes(cfg, in_flight=micro_batches_in_flight(cfg, dp)),
            "workspace": WORKSPACE + CUDA_CONTEXT}
     host = {"host_states": shard * (MODEL_BYTES + 4 + 4 * STATES), "process": HOST_PROCESS}
     mb = cfg.num_microbatches(dp)
@@ -603,7 +625,7 @@ def plan(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int = 1) -> Di
 
 def plan_for(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int = 1, pp_rank: int = 0) -> SystemPlan:
     """The plan of the optimizer the configuration asks for, for a rank of pipeline stage pp_rank (its
-    parameters and optimizer states; activations as activation_bytes models them for any stage)."""
+    parameters, optimizer states and micro batches in flight)."""
     return {"zero_cache": plan_zero_cache, "megatron": plan_megatron,
             "megatron_cpu_offload": plan_megatron_cpu_offload}[cfg.optim.optimizer](
         cfg, hw, gpus_per_node, nodes, pp_rank=pp_rank)

@@ -299,3 +299,25 @@ def test_a_rank_rehearsed_elsewhere_is_planned_with_the_targets_memory_and_that_
     assert update > 1.0
     assert rehearsed.step_s["cpu_optimizer"] == pytest.approx(
         update * (target.cpu_update_gparams / 8) / here.cpu_update_gparams, rel=1e-3)
+
+
+def test_a_pipeline_stage_holds_its_1f1b_micro_batches_in_flight():
+    """Under 1F1B stage p of PP stages holds up to PP - p micro batches between forward and backward:
+    with the 55 preset at PP 4 and 8 micro batches a step, the first stage's offloaded activations in host
+    memory are 4 micro batches' worth and the last stage's one; without offload the first stage keeps
+    its 4 micro batches' recomputed-layer inputs on the GPU; a step of 2 micro batches holds at most 2."""
+    from angelgpt.planner.plan import micro_batches_in_flight, offloaded_activation_bytes
+
+    cfg = resolve(size="55", overrides=["parallel.pipeline_model_parallel_size=4",
+                                        "zero_cache.prefetch_cache_sub_group_rate=0.1"])
+    hw, dp = MACHINES["h200x8"], 1  # TP 2 x PP 4 on 8 GPUs: DP 1, 8 micro batches of 10
+    assert cfg.num_microbatches(dp) == 8
+    assert [micro_batches_in_flight(cfg, dp, p) for p in range(4)] == [4, 3, 2, 1]
+    one = offloaded_activation_bytes(cfg)
+    first, last = plan_for(cfg, hw, 8, pp_rank=0), plan_for(cfg, hw, 8, pp_rank=3)
+    assert first.host_bytes["offloaded_activations"] == 4 * one and last.host_bytes["offloaded_activations"] == one
+    kept = replace(cfg, model=replace(cfg.model, activation_offload="none"))
+    assert activation_bytes(kept, in_flight=4) - activation_bytes(kept) == 3 * one
+    assert plan_for(kept, hw, 8, pp_rank=0).gpu_bytes["activations"] == activation_bytes(kept, in_flight=4)
+    two = replace(cfg, train=replace(cfg.train, global_batch_size=20))
+    assert micro_batches_in_flight(two, dp, 0) == 2

@@ -100,8 +100,9 @@ def _rehearsal_params():
 @pytest.mark.parametrize("path", _rehearsal_params(), ids=lambda p: p.stem)
 def test_rehearsal_report_matches_its_prediction(path):
     """Every committed rehearsal report: each rank's peak GPU memory and host memory within the same
-    tolerances of the planner's per-rank prediction recorded beside it, and its compute (forward-backward)
-    time within the step tolerance of the planner's compute time on the GPU that rehearsed. A miss the
+    tolerances of the planner's per-rank prediction recorded beside it, and its step time within the step
+    tolerance of the planner's step on the machine that rehearsed (reports before that prediction: the
+    forward-backward time against the planner's compute time there; rehearsal_points). A miss the
     planner is known to make is declared, with why, under 'rehearsal_misses' (a strict xfail: it fails
     once the planner no longer misses it); a quantity not compared is declared, with why, under
     'rehearsal_unchecked'."""
