@@ -4,7 +4,7 @@ The process plays rank R of the real job's world (ANGELGPT_REHEARSE: rank, world
 path) under torch's fake process group (angelgpt.parallel): Megatron's parallel state for the whole
 world, the rank's real model shard and, with ZeRO-Cache, its real placement over real tiers, then a few
 real training steps on the config's data. Collectives return at once and move no data, so losses are
-meaningless (a receive yields zeros) and the loop neither skips nor aborts on non-finite values.
+meaningless (a receive yields standard normal values) and the loop neither skips nor aborts on non-finite values.
 
 On GPU the allocator is capped at the target GPU's memory (exceeding it is a real CUDA out-of-memory
 error); ZeRO-Cache's host budget is the target node's host memory per GPU (zero_cache.host_max_gib, set

@@ -78,3 +78,34 @@ def test_rehearsed_sequence_parallel_reduce_scatter_gives_this_ranks_own_chunk(m
         parallel.destroy()
         monkeypatch.setitem(parallel._REHEARSAL, "now", None)
 
+
+
+def test_a_rehearsed_pipeline_receive_yields_values_like_real_ones(monkeypatch):
+    """A fake group's receive writes nothing; in a rehearsal the buffer comes back filled with standard
+    normal values: finite, not the bytes it held (NaN here), and not zeros, on which a later stage's GEMMs
+    would run faster than on real activations."""
+    import functools
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    from angelgpt import parallel
+
+    # as torch decorates its own: with a `__wrapped__` (not copying __dict__, which holds the mark of a
+    # patch an earlier rehearsal in this process left on c10d.recv)
+    @functools.wraps(c10d.recv, updated=())
+    def writes_nothing(tensor, src=None, group=None, tag=0, group_src=None):
+        return src
+
+    for where in (c10d, dist):
+        monkeypatch.setattr(where, "recv", writes_nothing)
+    parallel.initialize(1, 2, on_gpu=False, rehearse=parallel.Rehearsal(rank=1, world_size=2))
+    try:
+        buffer = torch.full((4096,), float("nan"))
+        dist.recv(buffer, src=0)
+        assert torch.isfinite(buffer).all()
+        assert 0.9 < buffer.std().item() < 1.1 and abs(buffer.mean().item()) < 0.1
+    finally:
+        parallel.destroy()
+        monkeypatch.setitem(parallel._REHEARSAL, "now", None)
