@@ -16,6 +16,7 @@ plan of its config on the H200's figures; `gpu_measured_gib` says which GPU figu
 import json
 import re
 import shlex
+import statistics
 from typing import Dict, List, Optional, Tuple
 
 from angelgpt.config import resolve
@@ -155,8 +156,7 @@ def rehearsal_points(report: dict) -> List[Tuple[str, dict, dict, Optional[str]]
         planned = p.get("step_here_s") if whole else p.get("compute_here_s")
         times = [s.get("forward_backward_s") + (s.get("optimizer_step_s") or 0.0 if whole else 0.0)
                  for s in (m.get("steps") or [])[1:] if s.get("forward_backward_s") is not None]
-        times.sort()
-        step = times[len(times) // 2] if times and planned is not None else None
+        step = statistics.median(times) if times and planned is not None else None
         measured = {"gpu": gpu if r.get("device") == "cuda" else None,
                     "host": m.get("host_peak_rss_bytes", 0) / GIB, "step": step}
         predicted = {"gpu": p.get("gpu_total_bytes", 0) / GIB, "host": p.get("host_per_rank_bytes", 0) / GIB,
