@@ -94,6 +94,14 @@ def _predicted(p, here, pp_rank: int, target_tflops: float, here_tflops: Optiona
             "step_here": step_here, "step_here_s": round(sum(step_here.values()), 4) if step_here else None}
 
 
+def rank_env(on_gpu: bool, optimizer: str) -> dict:
+    """A rehearsed rank's environment: a worker's, as the only rank on this host (it has the host alone,
+    so every core is its threads, OMP_NUM_THREADS where set: the CPU figures its plan here is of)."""
+    from angelgpt.cli import launch
+
+    return launch.worker_env(on_gpu, 1, optimizer)
+
+
 def _median_after_first(values: List[float]) -> Optional[float]:
     values = [v for v in values if v is not None]
     if not values:
@@ -126,11 +134,12 @@ def render_rank(r: dict) -> str:
     if steps:
         fb = _median_after_first([s["forward_backward_s"] for s in steps])
         opt = _median_after_first([s["optimizer_step_s"] for s in steps])
+        step = _median_after_first([s["forward_backward_s"] + s["optimizer_step_s"] for s in steps])
         which = f"median of steps 2-{len(steps)}" if len(steps) > 2 else f"step {len(steps)}"
         here = p.get("step_here_s")
         here = (f"step {here:.4f} s on this machine (compute {p['step_here']['compute']:.4f}), "
                 if here is not None else "")
-        lines.append(f"  step  {fb + opt:.4f} s measured (forward-backward {fb:.4f} + optimizer step {opt:.4f}; "
+        lines.append(f"  step  {step:.4f} s measured (forward-backward {fb:.4f}, optimizer step {opt:.4f}; "
                      f"{which}; collectives faked)   | predicted {here}compute "
                      f"{p.get('step_s', {}).get('compute', 0):.4f} s, step {p.get('step_time_s', 0):.4f} s on the target")
         prof = steps[-1].get("zero_cache_profile")
@@ -258,8 +267,7 @@ def rehearse(cfg, size: Optional[str], config: Optional[str], extra: List[str], 
             kind = stage_kind(where["pp_rank"], pp)
             print(f"rehearsing rank {rank} ({kind} stage) ...", flush=True)
             path = os.path.join(tmp, f"rank{rank}.json")
-            # the rank has this host alone: every core its threads (the CPU figures the plan here is of)
-            env = launch.worker_env(on_gpu, 1, cfg.optim.optimizer)
+            env = rank_env(on_gpu, cfg.optim.optimizer)
             env.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank % nproc_per_node),
                         "LOCAL_WORLD_SIZE": str(nproc_per_node), "GROUP_RANK": str(rank // nproc_per_node),
                         MACHINE_ENV: hw.to_json(), RESOLVED_ENV: line,

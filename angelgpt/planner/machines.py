@@ -187,7 +187,9 @@ def rehearsing_machine(target: Machine, here: Machine) -> Machine:
     target's memory and layout, by which the rank is placed, with `here`'s rates, by which it runs. The
     rank has the rehearsing host to itself (every core its threads, its disk), and the plan divides a
     node's CPU and NVMe figures among the node's GPUs, so those figures are `here`'s whole, times the
-    target's GPUs per node; the GPU's rates (compute, PCIe) are `here`'s GPU's."""
+    target's GPUs per node; the GPU's rates (compute, PCIe) are `here`'s GPU's. `here`'s figures are
+    those describe() gives: for a GPU the catalogue has only as an 8-GPU server (the A100 rows), that
+    server's CPU, marked assumed in its sources."""
     n = target.gpus_per_node
     whole = {"cpu_adam_gparams": here.cpu_adam_gparams * n, "cpu_update_gparams": here.cpu_update_gparams * n,
              "nvme_gbs": here.nvme_gbs * n}

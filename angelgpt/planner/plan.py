@@ -145,7 +145,7 @@ def offloaded_activation_bytes(cfg: Config, in_flight: int = 1) -> int:
     the host holds with `in_flight` micro batches between forward and backward is that many times it."""
     if not _offloading(cfg):
         return 0
-    return in_flight * recomputed_layers(cfg) // cfg.parallel.pipeline_model_parallel_size * _layer_input_bytes(cfg)
+    return in_flight * (recomputed_layers(cfg) // cfg.parallel.pipeline_model_parallel_size) * _layer_input_bytes(cfg)
 
 
 def accumulating(cfg: Config, dp: int) -> bool:

@@ -182,8 +182,9 @@ def test_the_readme_rehearsal_tables_hold_what_their_files_say():
         name = re.search(r"`(rehearse-[\w.-]+\.json)`", row).group(1)
         report = json.loads((RESULTS / name).read_text())
         cells = [c.strip() for c in row.strip("|").split("|")]
-        staged = re.fullmatch(r"\w+ \(rank (\d+)\)", cells[2])
-        r = {x["rank"]: x for x in report["ranks"]}[int(staged.group(1))] if staged else report["ranks"][0]
+        staged = re.fullmatch(r"(\w+) \(rank (\d+)\)", cells[2])
+        r = {x["rank"]: x for x in report["ranks"]}[int(staged.group(2))] if staged else report["ranks"][0]
+        assert not staged or r["stage"] == staged.group(1), (name, cells)
         m, p = r["measured"], r["predicted"]
         steps = m["steps"][1:]
         if p.get("step_here_s") is not None:

@@ -109,3 +109,17 @@ def test_a_rehearsed_pipeline_receive_yields_values_like_real_ones(monkeypatch):
     finally:
         parallel.destroy()
         monkeypatch.setitem(parallel._REHEARSAL, "now", None)
+
+
+def test_a_rehearsed_rank_takes_every_core_unless_told(monkeypatch):
+    """A rehearsed rank has this host alone: its threads are every core, not the share of one of the
+    target node's ranks; an OMP_NUM_THREADS the user set is kept."""
+    import os
+
+    from angelgpt.cli.rehearse import rank_env
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    assert rank_env(True, "zero_cache")["OMP_NUM_THREADS"] == "16"
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert rank_env(True, "zero_cache")["OMP_NUM_THREADS"] == "3"
