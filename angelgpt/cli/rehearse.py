@@ -80,9 +80,8 @@ def _predicted(p, here, pp_rank: int, target_tflops: float, here_tflops: Optiona
     """The planner's numbers for the rank on the target (`p`), plus, from `here` (the plan of the same
     rank on the rehearsing machine, planner.rehearsing_machine; None on CPU) its step there with the
     collectives left out, which a rehearsal fakes: what the measured step (forward-backward and optimizer
-    step) is compared with. compute_here_s: the target's compute alone scaled by the two GPUs' rates."""
+    step) is compared with. compute_here_s: that plan's compute alone, the target's at this GPU's rate."""
     host_rank = sum(p.host_bytes.values())
-    compute = p.step_s.get("compute", 0.0)
     step_here = {k: v for k, v in here.step_s.items() if k != "network"} if here is not None else None
     return {"for": f"data-parallel rank 0 of pipeline stage {pp_rank} (the planner's per-rank model)",
             "system": p.system, "fits": p.fits, "gpu_bytes": p.gpu_bytes, "gpu_total_bytes": p.gpu_total,
@@ -90,7 +89,7 @@ def _predicted(p, here, pp_rank: int, target_tflops: float, here_tflops: Optiona
             "margin_bytes": p.margin, "step_s": p.step_s, "step_time_s": p.step_time_s,
             "bottleneck": p.bottleneck, "rate": p.rate, "target_gpu_tflops": target_tflops,
             "here_gpu_tflops": here_tflops,
-            "compute_here_s": compute * target_tflops / here_tflops if here_tflops else None,
+            "compute_here_s": step_here["compute"] if step_here else None,
             "step_here": step_here, "step_here_s": round(sum(step_here.values()), 4) if step_here else None}
 
 

@@ -68,9 +68,9 @@ def _patch_collective(name: str, wrap) -> None:
 
 def _filled_receives() -> None:
     """A fake group's receive leaves its buffer as allocated (torch.empty: any bytes, NaN included);
-    fill it with standard normal values first (an integer buffer, such as a shape, with zeros). Not zeros: a stage after the first computes on what it
-    receives, and GEMMs on zeros run faster than on real values (an H200 bf16 GEMM: 793 TFLOP/s on zeros,
-    688 on random values)."""
+    fill it with standard normal values first (an integer buffer, such as a shape, with zeros). Not
+    zeros: a stage after the first computes on what it receives, and GEMMs on zeros run faster than on
+    real values (an H200 bf16 GEMM: 793 TFLOP/s on zeros, 688 on random values)."""
     def filling(original):
         def receive(*args, **kwargs):
             tensor = args[0] if args else kwargs["tensor"]

@@ -162,12 +162,13 @@ def grad_bytes(cfg: Config, dp: int, model_bytes: int = MODEL_BYTES) -> int:
     return 4 if cfg.optim.accumulate_grads_in_fp32 and cfg.num_microbatches(dp) > 1 else model_bytes
 
 
-def beside_store_bytes(cfg: Config, in_flight: int = 1) -> int:
-    """Device memory training needs beside ZeRO-Cache's store that the optimizer cannot count itself:
-    the activations of the stage's micro batches in flight (micro_batches_in_flight; as configured:
-    recompute resolved) and the workspace. The optimizer adds the gradients and fetched weights
-    (placement.training_reserve) and leaves GPU_HEADROOM free."""
-    return activation_bytes(cfg, in_flight=in_flight) + WORKSPACE
+def beside_store_bytes(cfg: Config, dp: int = 1, pp_rank: int = 0) -> int:
+    """Device memory training needs beside ZeRO-Cache's store that the optimizer cannot count itself, on
+    a rank of pipeline stage pp_rank with data-parallel size dp: the activations of the stage's micro
+    batches in flight (micro_batches_in_flight; as configured: recompute resolved) and the workspace.
+    The optimizer adds the gradients and fetched weights (placement.training_reserve) and leaves
+    GPU_HEADROOM free."""
+    return activation_bytes(cfg, in_flight=micro_batches_in_flight(cfg, dp, pp_rank)) + WORKSPACE
 
 
 def _fetch_depth(cfg: Config, layer_numel: int) -> int:
@@ -222,9 +223,9 @@ def _finish(system, cfg, hw, gpus_per_node, world, gpu, host, nvme, step, rate=N
     gpu_cap, host_cap, nvme_cap, _ = _capacity(hw, gpus_per_node)
     offloaded = offloaded_activation_bytes(cfg)
     if offloaded:  # pinned host memory for the micro batches in flight; down and up on the compute stream
-        mb = cfg.num_microbatches(cfg.data_parallel_size(world))
-        in_flight = micro_batches_in_flight(cfg, cfg.data_parallel_size(world), pp_rank)
-        host = {**host, "offloaded_activations": offloaded * in_flight}
+        dp = cfg.data_parallel_size(world)
+        mb = cfg.num_microbatches(dp)
+        host = {**host, "offloaded_activations": offloaded * micro_batches_in_flight(cfg, dp, pp_rank)}
         step = {**step, "activation_offload": mb * 2 * offloaded / (hw.pcie_gbs * 1e9)}
     gpu_total = sum(gpu.values())
     host_total = sum(host.values()) * gpus_per_node  # ranks of one node share its host memory

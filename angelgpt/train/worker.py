@@ -113,7 +113,6 @@ def make_trainer(cfg, rehearse=None):
     from angelgpt.data.dataset import build_datasets
     from angelgpt.data.tokenizer import MockTokenizer, load_tokenizer
     from angelgpt.planner import beside_store_bytes
-    from angelgpt.planner.plan import micro_batches_in_flight
     from angelgpt.train.loop import Trainer, install_signal_handlers
 
     logging.getLogger("megatron.core.datasets").setLevel(logging.ERROR)  # index-cache chatter on stderr
@@ -140,9 +139,9 @@ def make_trainer(cfg, rehearse=None):
     if tokenizer.vocab_size > cfg.padded_vocab_size():
         raise ConfigError(f"tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size is "
                           f"{cfg.model.vocab_size}; set model.vocab_size={tokenizer.vocab_size}")
-    in_flight = micro_batches_in_flight(cfg, cfg.data_parallel_size(world),
-                                        parallel_state.get_pipeline_model_parallel_rank())
-    model, optimizer, scheduler = build(cfg, on_gpu, beside_store_bytes(cfg, in_flight) if on_gpu else 0)
+    reserve = beside_store_bytes(cfg, cfg.data_parallel_size(world),
+                                 parallel_state.get_pipeline_model_parallel_rank())
+    model, optimizer, scheduler = build(cfg, on_gpu, reserve if on_gpu else 0)
     summary = optimizer.summary()
     if summary:
         log.info(summary)

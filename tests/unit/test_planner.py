@@ -306,7 +306,7 @@ def test_a_pipeline_stage_holds_its_1f1b_micro_batches_in_flight():
     with the 55 preset at PP 4 and 8 micro batches a step, the first stage's offloaded activations in host
     memory are 4 micro batches' worth and the last stage's one; without offload the first stage keeps
     its 4 micro batches' recomputed-layer inputs on the GPU; a step of 2 micro batches holds at most 2."""
-    from angelgpt.planner.plan import micro_batches_in_flight, offloaded_activation_bytes
+    from angelgpt.planner.plan import beside_store_bytes, micro_batches_in_flight, offloaded_activation_bytes
 
     cfg = resolve(size="55", overrides=["parallel.pipeline_model_parallel_size=4",
                                         "zero_cache.prefetch_cache_sub_group_rate=0.1"])
@@ -319,5 +319,7 @@ def test_a_pipeline_stage_holds_its_1f1b_micro_batches_in_flight():
     kept = replace(cfg, model=replace(cfg.model, activation_offload="none"))
     assert activation_bytes(kept, in_flight=4) - activation_bytes(kept) == 3 * one
     assert plan_for(kept, hw, 8, pp_rank=0).gpu_bytes["activations"] == activation_bytes(kept, in_flight=4)
+    # ZeRO-Cache's device reserve beside its store counts them too
+    assert beside_store_bytes(kept, dp, 0) - beside_store_bytes(kept, dp, 3) == 3 * one
     two = replace(cfg, train=replace(cfg.train, global_batch_size=20))
     assert micro_batches_in_flight(two, dp, 0) == 2
