@@ -5,6 +5,8 @@ Tests import these from here (`from tests.helpers import ...`), never from conft
 another; conftest.py holds only pytest fixtures and hooks.
 """
 
+import contextlib
+import io
 import json
 import os
 import runpy
@@ -12,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
 # the shared corpus beside the checkout when present, else the public-domain copy kept with the tests
@@ -64,3 +67,31 @@ def wait_for(cond, timeout=120.0, poll=0.005):
             return True
         time.sleep(poll)
     return False
+
+
+def run_cli_in_process(*args):
+    """`angelgpt ARGS` in this process (no interpreter start-up): returncode, stdout, stderr."""
+    from angelgpt.cli.app import main
+
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            main([str(a) for a in args])
+        except SystemExit as exc:
+            code = exc.code
+    return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
+
+
+def train_shared_gpu(tmp_path, name, *overrides, nproc=1, size="tiny", timeout=300):
+    """Trains on GPU 0 with `nproc` torchrun ranks sharing it under a gloo default group
+    (tests/gpu/shared_gpu_worker.py: parallel.SharedDevice) and returns the per-iteration metrics."""
+    metrics = tmp_path / f"{name}.jsonl"
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           str(nproc), str(ROOT / "tests" / "gpu" / "shared_gpu_worker.py"), "--size", size,
+                           "train.device=cuda", f"logging.metrics_file={metrics}", "logging.log_interval=1",
+                           *map(str, overrides)], cwd=ROOT, text=True, capture_output=True, timeout=timeout, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return read_metrics(metrics)

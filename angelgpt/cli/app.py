@@ -4,6 +4,7 @@
     angelgpt presets show 55 --json
     angelgpt train --size tiny --device cpu
     angelgpt train --size 1.3b train.global_batch_size=512 --dry-run
+    angelgpt train --size 55 --nproc-per-node 8 --dry-run --machine a100-40gx8
 
 Nothing here imports torch.distributed at import time, so `--help` is instant. Bad input gets one
 line on stderr and exit code 2.
@@ -154,12 +155,13 @@ def plan(
         print(render(cfg, hw, gpus, nodes, plans, num_params(cfg)))
 
 
-def _resolve(cfg, on_gpu: bool, nproc_per_node: int, nnodes: int):
+def _resolve(cfg, on_gpu: bool, nproc_per_node: int, nnodes: int, target=None):
     """Every 'auto' of the config made concrete for this machine (its GPU, host memory and disk as read
-    here): the same function, with the same reading, that the workers resolve with."""
+    here): the same function, with the same reading, that the workers resolve with. With `target` (a
+    catalogue Machine, --machine of a dry run): for that machine's figures instead."""
     from angelgpt.planner import read_this_machine, resolve_config, resolved_line
 
-    machine = read_this_machine(cfg.zero_cache, nproc_per_node, before_workers=True)
+    machine = target or read_this_machine(cfg.zero_cache, nproc_per_node, before_workers=True)
     resolved, plan = resolve_config(cfg, machine, nproc_per_node, nnodes, on_gpu)
     return machine, resolved, plan, resolved_line(cfg, resolved)
 
@@ -209,12 +211,13 @@ def train(
                                             "(default: this GPU's, or --machine's)"),
     host_mem: Optional[float] = typer.Option(None, "--host-mem", help="with --rehearse: GiB of host memory per node "
                                              "of the target (default: this machine's available, or --machine's)"),
-    machine: Optional[str] = typer.Option(None, "--machine", help="with --rehearse: catalogue machine whose "
-                                          "figures describe the target (default: this machine's GPU)"),
+    machine: Optional[str] = typer.Option(None, "--machine", help="with --rehearse or --dry-run: catalogue machine "
+                                          "whose figures describe the target (default: this machine's GPU)"),
 ) -> None:
     """Resolve the config, print it and the parameter count, check the plan, and launch torchrun workers
     (with --rehearse: rehearse the job's ranks one at a time on this machine instead)."""
     from angelgpt.cli import launch
+    from angelgpt.planner import MACHINES, machine_from
 
     extra = list(overrides or [])
     if device not in (None, "cpu", "cuda"):
@@ -228,9 +231,21 @@ def train(
     if load:
         extra.append(f"checkpoint.load={load}")
     cfg = resolve(size, config, extra)
-    on_gpu = _detect_gpu(device or (None if cfg.train.device == "auto" else cfg.train.device))
+    wanted = device or (None if cfg.train.device == "auto" else cfg.train.device)
+    if machine is not None and machine not in MACHINES:
+        fail(f"--machine must be one of {', '.join(MACHINES)}, got '{machine}'")
+    # A dry run prints the command for the machine that will run the job, which need not be this one: a
+    # GPU job when it names GPUs (--nproc-per-node, --machine or device cuda) and not the CPU
+    gpu_job = dry_run and not rehearse and wanted != "cpu" and (
+        machine is not None or nproc_per_node is not None or wanted == "cuda")
+    if dry_run and not rehearse and machine is not None and wanted == "cpu":
+        fail(f"--machine {machine} is a GPU machine: a dry run for it cannot have device cpu")
+    gpu_here = _detect_gpu(None if gpu_job else wanted)
+    on_gpu = gpu_job or gpu_here
     if nproc_per_node is None:
-        if on_gpu:
+        if machine is not None and dry_run and not rehearse:
+            nproc_per_node = MACHINES[machine].gpus_per_node
+        elif gpu_here:
             import torch
 
             nproc_per_node = torch.cuda.device_count()
@@ -245,9 +260,10 @@ def train(
         extra.append("train.device=cpu")
     rehearsal_only = [name for name, value in (("--rehearse-rank", rehearse_rank), ("--rehearse-report",
                       rehearse_report), ("--gpu-mem", gpu_mem), ("--host-mem", host_mem), ("--machine", machine))
-                      if value]
+                      if value and not (name == "--machine" and dry_run)]
     if rehearsal_only and not rehearse:
-        fail(f"{rehearsal_only[0]} applies to a rehearsal: add --rehearse")
+        fail(f"{rehearsal_only[0]} applies to a rehearsal" + (" or a dry run: add --rehearse or --dry-run"
+             if rehearsal_only[0] == "--machine" else ": add --rehearse"))
     if rehearse:
         from angelgpt.cli.rehearse import rehearse as run_rehearsal
 
@@ -259,8 +275,10 @@ def train(
 
     # one run per --save DIR, taken before anything is printed: a second run's refusal is one line
     lock = None if dry_run else take_save_lock(cfg.checkpoint.save, nnodes, node_rank, rdzv_endpoint)
+    # a dry run for --machine plans for that catalogue machine's figures, not this machine's
+    target = machine_from(machine, gpus_per_node=nproc_per_node) if machine is not None else None
     try:
-        _launch(cfg, size, config, extra, on_gpu, dp, dry_run, force,
+        _launch(cfg, size, config, extra, on_gpu, gpu_here, target, dp, dry_run, force,
                 launch.Rendezvous(nproc_per_node, nnodes, node_rank, master_addr, master_port, rdzv_endpoint,
                                   max_restarts))
     finally:
@@ -268,15 +286,21 @@ def train(
             lock.release()
 
 
-def _launch(cfg, size, config, extra, on_gpu: bool, dp: int, dry_run: bool, force: bool, rdzv) -> None:
-    """Resolves every 'auto' for this machine, prints the config, the command and the plan, refuses what
-    does not fit, and runs torchrun."""
+def _launch(cfg, size, config, extra, on_gpu: bool, gpu_here: bool, target, dp: int, dry_run: bool, force: bool,
+            rdzv) -> None:
+    """Resolves every 'auto' for this machine (for `target`, a dry run's --machine, where given), prints
+    the config, the command and the plan, refuses what does not fit, and runs torchrun. A dry run of a
+    GPU job on a machine without a GPU and no target resolves and plans nothing, and says so."""
     from angelgpt.cli import launch
     from angelgpt.model.flops import num_params
 
     worker_args = (["--size", size] if size else []) + (["--config", config] if config else []) + extra
     cmd = launch.torchrun_command(rdzv, worker_args)
-    machine, cfg, planned, resolved = _resolve(cfg, on_gpu, rdzv.nproc_per_node, rdzv.nnodes)
+    skipped = on_gpu and not gpu_here and target is None  # only a dry run gets here so (see train)
+    if skipped:
+        machine, planned, resolved = None, None, ""
+    else:
+        machine, cfg, planned, resolved = _resolve(cfg, on_gpu, rdzv.nproc_per_node, rdzv.nnodes, target)
     print(yaml.safe_dump(to_dict(cfg), sort_keys=False).rstrip())
     params = num_params(cfg)
     print(f"params: {params:,} ({params / 1e9:.3f}B) | world size {rdzv.nproc_per_node * rdzv.nnodes} = "
@@ -284,6 +308,13 @@ def _launch(cfg, size, config, extra, on_gpu: bool, dp: int, dry_run: bool, forc
     print(f"torchrun command: {launch.format_command(cmd)}", flush=True)
     if resolved:
         print(resolved, flush=True)
+    if skipped:
+        print("plan: skipped, no GPU is visible here ('auto' settings left to the workers); --machine NAME plans "
+              "for a catalogue machine", flush=True)
+    if target is not None:
+        print(f"target machine: {target.name} ({target.gpus_per_node} x {target.gpu} {target.gpu_mem_gib:g} GiB, "
+              f"{target.host_mem_gib:g} GiB host memory per node; the catalogue's figures, not this machine's)",
+              flush=True)
     if planned is not None:
         _check_plan(planned, force)
     if dry_run:

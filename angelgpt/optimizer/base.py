@@ -47,8 +47,11 @@ class Optimizer(ABC):
         """Forget the gradients before the next step's micro batches."""
 
     @abstractmethod
-    def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False) -> dict:
-        """The optimizer state as Megatron dist_checkpointing sharded tensors, keyed against the model's."""
+    def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False,
+                           metadata: Optional[dict] = None) -> dict:
+        """The optimizer state as Megatron dist_checkpointing sharded tensors, keyed against the model's.
+        `metadata`: the checkpoint's format choices as Megatron names them (its
+        `distrib_optim_sharding_type`), the ones the checkpoint was saved with when loading."""
 
     @abstractmethod
     def load_state_dict(self, state: dict) -> None:

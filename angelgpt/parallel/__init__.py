@@ -30,6 +30,15 @@ class Rehearsal:
     gpu_cap_bytes: Optional[int] = None
 
 
+@dataclass(frozen=True)
+class SharedDevice:
+    """Every rank of the node on one GPU (for tests: several ranks where one GPU is lent). NCCL refuses
+    two ranks on one GPU, so the default group is gloo, which carries all-reduce, reduce-scatter and
+    all-gather of CUDA tensors; pipeline sends and receives go through host memory (`p2p.host_staged`)."""
+
+    device: int = 0
+
+
 _REHEARSAL: dict = {"now": None}
 
 
@@ -125,18 +134,19 @@ def _start_rehearsal(r: Rehearsal, tensor_parallel: int, pipeline_parallel: int,
 
 
 def initialize(tensor_parallel: int, pipeline_parallel: int, on_gpu: bool, timeout_minutes: float = 10.0,
-               rehearse: Optional[Rehearsal] = None) -> None:
+               rehearse: Optional[Rehearsal] = None, shared: Optional[SharedDevice] = None) -> None:
     """Creates the default group (NCCL on GPU, gloo on CPU) and Megatron's TP/PP/DP groups; a collective
     that waits longer than timeout_minutes raises on the waiting rank. With `rehearse`, the one rank it
-    names under the fake process group instead."""
+    names under the fake process group instead; with `shared` (GPU), every rank on that one GPU under gloo."""
     from megatron.core import parallel_state
 
     if rehearse is not None:
         return _start_rehearsal(rehearse, tensor_parallel, pipeline_parallel, on_gpu)
     if on_gpu:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(shared.device if shared else int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if on_gpu else "gloo", timeout=timedelta(minutes=timeout_minutes))
+        backend = "nccl" if on_gpu and shared is None else "gloo"
+        dist.init_process_group(backend, timeout=timedelta(minutes=timeout_minutes))
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_parallel,
         pipeline_model_parallel_size=pipeline_parallel,

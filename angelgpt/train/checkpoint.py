@@ -93,10 +93,18 @@ def per_layer_keys(sharded):
     return sharded
 
 
+def format_metadata(config: dict) -> dict:
+    """The format a checkpoint of this run is saved in (dist_checkpointing's content metadata, Megatron's
+    names): the distributed optimizer's sharding type, from checkpoint.dist_ckpt_optim_fully_reshardable."""
+    from angelgpt.train.optim import checkpoint_metadata
+
+    return checkpoint_metadata(bool(config.get("checkpoint", {}).get("dist_ckpt_optim_fully_reshardable")))
+
+
 def _state(model, optimizer, scheduler, iteration: int, consumed: int, loading: bool,
-           saved_layout: Optional[Tuple[int, int]] = None) -> dict:
+           saved_layout: Optional[Tuple[int, int]] = None, metadata: Optional[dict] = None) -> dict:
     model_sd = model.sharded_state_dict()
-    optimizer_sd = optimizer.sharded_state_dict(model_sd, is_loading=loading)
+    optimizer_sd = optimizer.sharded_state_dict(model_sd, is_loading=loading, metadata=metadata)
     if optimizer.per_layer_checkpoint_keys:
         model_sd, optimizer_sd = per_layer_keys(model_sd), per_layer_keys(optimizer_sd)
     return {
@@ -196,8 +204,10 @@ class Saver:
         dist.barrier()
         strategy = PlanningStrategy()
         with optimizer.materialized():
-            dist_checkpointing.save(_state(model, optimizer, scheduler, iteration, consumed, loading=False),
-                                    str(tmp), sharded_strategy=strategy)
+            metadata = format_metadata(self.config)
+            dist_checkpointing.save(_state(model, optimizer, scheduler, iteration, consumed, loading=False,
+                                           metadata=metadata),
+                                    str(tmp), sharded_strategy=strategy, content_metadata=metadata)
             job = strategy.job
             staged = (asynchronous or not self.multi_slice) and self._room_for(job.staging_bytes(), asynchronous)
             if staged:
@@ -296,6 +306,12 @@ def _saved_layout(path: Path) -> Optional[Tuple[int, int]]:
         return None
 
 
+def _is_megatrons(optimizer) -> bool:
+    from angelgpt.train.optim import MegatronDistributedOptimizer
+
+    return isinstance(optimizer, MegatronDistributedOptimizer)
+
+
 def latest_iteration(root: str) -> Optional[int]:
     tracker = Path(root) / TRACKER
     if not tracker.is_file():
@@ -314,16 +330,25 @@ def load(root: str, model, optimizer, scheduler) -> Tuple[int, int]:
     path = _iter_dir(Path(root), iteration)
     if not path.is_dir():
         raise ConfigError(f"checkpoint.load: {TRACKER} names iteration {iteration} but {path} is missing")
-    problem = [verify(path), _saved_layout(path)] if dist.get_rank() == 0 else [None, None]
+    problem = [verify(path), _saved_layout(path), None] if dist.get_rank() == 0 else [None, None, None]
+    if problem[0] is None and dist.get_rank() == 0:
+        problem[2] = dist_checkpointing.load_content_metadata(str(path))
     dist.broadcast_object_list(problem, src=0)
     if problem[0]:
         raise ConfigError(f"checkpoint.load: {problem[0]}")
-    saved_layout = problem[1]
+    saved_layout, metadata = problem[1], problem[2]
     here = (parallel_state.get_pipeline_model_parallel_world_size(),
             parallel_state.get_tensor_model_parallel_world_size())
     resharding = saved_layout is not None and tuple(saved_layout) != here
+    sharding = (metadata or {}).get("distrib_optim_sharding_type")
+    if resharding and sharding == "dp_reshardable" and _is_megatrons(optimizer):
+        raise ConfigError(f"checkpoint.load: {path} holds Megatron's distributed-optimizer state in the "
+                          f"dp_reshardable format, which resumes at another data-parallel size only; it was "
+                          f"saved at PP x TP = {saved_layout[0]} x {saved_layout[1]}, this run is {here[0]} x "
+                          f"{here[1]} (save with checkpoint.dist_ckpt_optim_fully_reshardable=true to change them)")
     with optimizer.materialized():
-        request = _state(model, optimizer, scheduler, 0, 0, loading=True, saved_layout=saved_layout)
+        request = _state(model, optimizer, scheduler, 0, 0, loading=True, saved_layout=saved_layout,
+                         metadata=metadata)
         # another (PP, TP) layout: ranks read RNG objects some of which none of them covers, which the
         # integrity check refuses; the RNG states come in a request of their own, unchecked
         rng_request = {"rng_state": request.pop("rng_state")} if resharding else None

@@ -108,6 +108,24 @@ def _mean_loss(stats: List[Dict[str, torch.Tensor]], device) -> float:
     return loss.item() / parallel_state.get_data_parallel_world_size()
 
 
+def _host_staged(forward_backward, model):
+    """Megatron's forward-backward with its pipeline sends and receives staged through host memory (one
+    tensor at a time: batch_p2p_comm off in the model's config)."""
+    from megatron.core.utils import get_model_config
+
+    from angelgpt.parallel import p2p
+
+    config = get_model_config(model)
+    config.batch_p2p_comm = False
+    p2p.check_config(config)
+
+    def run(**kwargs):
+        with p2p.host_staged():
+            return forward_backward(**kwargs)
+
+    return run
+
+
 class Trainer:
     def __init__(self, cfg: Config, model, optimizer: Optimizer, scheduler, train_ds, valid_ds, on_gpu: bool):
         self.cfg = cfg
@@ -125,6 +143,10 @@ class Trainer:
             from megatron.core.pipeline_parallel import get_forward_backward_func
 
             self.forward_backward = get_forward_backward_func()
+            from angelgpt.parallel import p2p
+
+            if p2p.needs_staging(on_gpu):  # ranks sharing one GPU under gloo: P2P through host memory
+                self.forward_backward = _host_staged(self.forward_backward, model)
         elif self.pipelined:  # Megatron's 1F1B with its CUDA allocations kept on the CPU
             from angelgpt.parallel import cpu_schedules
 

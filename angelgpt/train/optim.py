@@ -116,7 +116,7 @@ class CPUDataParallelAdamW(Optimizer):
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
-    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False):
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, metadata=None):
         from megatron.core.dist_checkpointing.optimizer import (
             get_param_id_to_sharded_param_map,
             optim_state_to_sharding_state,
@@ -162,11 +162,27 @@ class MegatronDistributedOptimizer(Optimizer):
         self.model.zero_grad_buffer()
         self.inner.zero_grad()
 
-    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False):
-        return self.inner.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading)
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, metadata=None):
+        """Megatron's distributed-optimizer state in the format `metadata` names (Megatron's
+        `distrib_optim_sharding_type`: `dp_reshardable` unless the checkpoint says otherwise; Megatron's
+        own default, `fully_sharded_model_space`, is deprecated and refuses the model's tensors)."""
+        metadata = dict(metadata or {})
+        metadata.setdefault("distrib_optim_sharding_type", DP_RESHARDABLE)
+        metadata.setdefault("chained_optim_avoid_prefix", True)
+        return self.inner.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading, metadata=metadata)
 
     def load_state_dict(self, state: dict) -> None:
         self.inner.load_state_dict(state)
+
+
+DP_RESHARDABLE, FULLY_RESHARDABLE = "dp_reshardable", "fully_reshardable"
+
+
+def checkpoint_metadata(fully_reshardable: bool) -> dict:
+    """What a checkpoint records of its format (dist_checkpointing's content metadata), as Megatron's
+    training loop names it: the distributed optimizer's sharding type and the chained optimizer's keys."""
+    return {"distrib_optim_sharding_type": FULLY_RESHARDABLE if fully_reshardable else DP_RESHARDABLE,
+            "chained_optim_avoid_prefix": True}
 
 
 def build_megatron_optimizer(model, cfg: Config) -> MegatronDistributedOptimizer:

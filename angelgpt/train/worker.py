@@ -98,13 +98,14 @@ def resolve_once(cfg, on_gpu: bool):
     return choice[0]
 
 
-def run(cfg) -> float:
-    return make_trainer(cfg).train()
+def run(cfg, shared=None) -> float:
+    return make_trainer(cfg, shared=shared).train()
 
 
-def make_trainer(cfg, rehearse=None):
+def make_trainer(cfg, rehearse=None, shared=None):
     """This rank's Trainer, everything built and resumed, ready to train(). `rehearse`
-    (parallel.Rehearsal): play that rank of its world alone, under the fake process group."""
+    (parallel.Rehearsal): play that rank of its world alone, under the fake process group; `shared`
+    (parallel.SharedDevice): every rank on one GPU under gloo (tests)."""
     import torch
     from megatron.core import parallel_state
 
@@ -124,7 +125,7 @@ def make_trainer(cfg, rehearse=None):
     world = rehearse.world_size if rehearse else int(os.environ.get("WORLD_SIZE", "1"))
     cfg.data_parallel_size(world)
     parallel.initialize(cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size, on_gpu,
-                        cfg.parallel.distributed_timeout_minutes, rehearse)
+                        cfg.parallel.distributed_timeout_minutes, rehearse, shared)
     setup_logging()
     cfg = resolve_once(cfg, on_gpu)
     torch.manual_seed(cfg.train.seed)
@@ -159,7 +160,8 @@ def make_trainer(cfg, rehearse=None):
     return trainer
 
 
-def main(argv=None) -> int:
+def main(argv=None, shared=None) -> int:
+    """The worker's entry; `shared` (parallel.SharedDevice) puts every rank on one GPU (tests)."""
     from angelgpt.train.lifetime import watch_launcher
 
     watch_launcher()  # a worker of `angelgpt train` ends when the launcher does, SIGKILL included
@@ -170,7 +172,7 @@ def main(argv=None) -> int:
     args = _args(sys.argv[1:] if argv is None else argv)
     try:
         cfg = resolve(args.size, args.config, args.overrides)
-        run(cfg)
+        run(cfg, shared)
     except ConfigError as exc:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"angelgpt: error: {exc}", file=sys.stderr, flush=True)

@@ -120,9 +120,9 @@ class Store:
         self.device_update_fraction = float(zc.device_update_fraction)
         self.group = parallel_state.get_data_parallel_group()
         self.dp_rank, self.dp_size = self.group.rank(), self.group.size()
-        # a rehearsal on GPU takes NCCL's path, as the job it rehearses would
-        self.use_reduce_scatter = dist.get_backend(self.group) == "nccl" or bool(
-            parallel.rehearsal() and device.type == "cuda")
+        # gradients on the GPU are reduce-scattered, whatever group carries them (NCCL; gloo with
+        # ranks sharing one GPU; a rehearsal's fake group); on the CPU each owner's chunk is reduced
+        self.use_reduce_scatter = device.type == "cuda"
         self.num_microbatches = cfg.num_microbatches(self.dp_size)
         self.recompute = cfg.model.recompute == "full"
         self.accumulate = zc.accumulate_in_store is True and self.num_microbatches > 1

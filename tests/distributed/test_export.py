@@ -9,8 +9,6 @@ the run's, eval gives the validation loss training logged, and bad input gets on
 with no output directory left behind.
 """
 
-import contextlib
-import io
 import json
 import shutil
 from types import SimpleNamespace
@@ -18,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.helpers import CORPUS, check_one_line_error, run_cli, train_tiny
+from tests.helpers import CORPUS, check_one_line_error, run_cli, run_cli_in_process, train_tiny
 
 pytestmark = pytest.mark.distributed
 
@@ -85,20 +83,6 @@ def _angelgpt_logits(ck, tokens):
 
     with quiet(), load_local_model(CheckpointReader.open(str(ck))) as (model, _), torch.no_grad():
         return model(tokens, torch.arange(tokens.shape[1]).expand_as(tokens), None)
-
-
-def _in_process(*args):
-    """`angelgpt ARGS` in this process (no interpreter start-up): returncode, stdout, stderr."""
-    from angelgpt.cli.app import main
-
-    out, err = io.StringIO(), io.StringIO()
-    code = 0
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            main([str(a) for a in args])
-        except SystemExit as exc:
-            code = exc.code
-    return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
 
 
 def _tokens(vocab, seq=64):
@@ -168,7 +152,7 @@ def test_greedy_generate_equals_transformers(megatron_tp2, tmp_path):
                             do_sample=False, max_new_tokens=12, pad_token_id=511)
     assert theirs[0, 4:].tolist() == ours["new_ids"]
     # sampling with a seed repeats itself
-    again = [json.loads(_in_process("generate", "--load", megatron_tp2.ck, "--prompt", "5 17", "--temperature", "0.9",
+    again = [json.loads(run_cli_in_process("generate", "--load", megatron_tp2.ck, "--prompt", "5 17", "--temperature", "0.9",
                                     "--top-k", "20", "--max-new-tokens", "6", "--seed", "7", "--json").stdout)
              for _ in range(2)]
     assert again[0] == again[1]
@@ -201,7 +185,7 @@ def test_sentencepiece_run_exports_its_tokenizer(sentencepiece, tmp_path):
         assert (model(tokens).logits - _angelgpt_logits(sentencepiece.ck, tokens)).abs().max().item() < 1e-4
     texts = []
     for load in (sentencepiece.ck, out):
-        proc = _in_process("generate", "--load", load, "--prompt", "ROMEO:", "--temperature", "0",
+        proc = run_cli_in_process("generate", "--load", load, "--prompt", "ROMEO:", "--temperature", "0",
                            "--max-new-tokens", "10", "--json")
         assert proc.returncode == 0, proc.stderr
         texts.append(json.loads(proc.stdout))
@@ -213,7 +197,7 @@ def test_eval_gives_the_loss_training_validated(layout, request):
     run = request.getfixturevalue(layout)
     logged = [r["val_loss"] for r in run.records if r.get("val_loss") is not None]
     assert len(logged) == 1  # at the last iteration, with the weights the checkpoint holds
-    proc = _in_process("eval", "--load", run.ck, "--json")
+    proc = run_cli_in_process("eval", "--load", run.ck, "--json")
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     # the run's eval_iters (2) global batches (8 samples of 64 tokens), its micro batches in training's order
@@ -262,13 +246,13 @@ def test_bad_input_one_line_exit_2_nothing_written(megatron_tp2, tmp_path):
         (["--load", megatron_tp2.ck, "--tokenizer", bad / "no_tok"], "--tokenizer"),
     ]
     for args, needle in cases:
-        check_one_line_error(_in_process("export", *args, "--output", out), needle)
+        check_one_line_error(run_cli_in_process("export", *args, "--output", out), needle)
         assert not out.exists() and not out.parent.exists(), args
-    check_one_line_error(_in_process("export", "--load", megatron_tp2.ck, "--output", bad / "a_file" / "hf"),
+    check_one_line_error(run_cli_in_process("export", "--load", megatron_tp2.ck, "--output", bad / "a_file" / "hf"),
                          "is a file, not a directory")
-    done = _in_process("export", "--load", megatron_tp2.ck, "--output", out)
+    done = run_cli_in_process("export", "--load", megatron_tp2.ck, "--output", out)
     assert done.returncode == 0, done.stderr
-    check_one_line_error(_in_process("export", "--load", megatron_tp2.ck, "--output", out), "already exists")
+    check_one_line_error(run_cli_in_process("export", "--load", megatron_tp2.ck, "--output", out), "already exists")
     assert sorted(p.name for p in out.parent.iterdir()) == ["hf"]  # no OUTPUT.tmp-* left behind
     # the real command line, once
     check_one_line_error(run_cli("export", "--load", partial, "--output", tmp_path / "cli"), "is incomplete")
@@ -281,4 +265,4 @@ def test_bad_input_one_line_exit_2_nothing_written(megatron_tp2, tmp_path):
         (["eval", "--load", corrupt], "is corrupted"),
         (["eval", "--load", megatron_tp2.ck, "data.paths=/nonexistent/x_text_document"], "nonexistent"),
     ]:
-        check_one_line_error(_in_process(*args), needle)
+        check_one_line_error(run_cli_in_process(*args), needle)

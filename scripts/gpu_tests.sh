@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# tests/gpu on a GPU machine (the device), and its result file: every test's outcome and duration with
+# the commit and the machine, benchmarks/results/gpu-tests-<short commit>.json (or RESULT). Installs any
+# wheels found in .whl/ (megatron-core and what else the machine lacks). Runs the tests PYTEST_WORKERS
+# at a time (pytest-xdist, default 6: the tests are small models sharing the one GPU).
+#   ANGELGPT_COMMIT=$(git rev-parse HEAD) bash scripts/gpu_tests.sh [RESULT] [PYTEST ARGS...]
+# A second call with the same RESULT and other tests (a part of tests/gpu per call) adds to the file.
+set -u
+cd "$(dirname "$0")/.."
+if [ -z "${ANGELGPT_COMMIT:-}" ]; then  # a copied tree's .git may be stale: the caller names the commit
+  echo "gpu_tests.sh: set ANGELGPT_COMMIT to the commit of the tree being run (git rev-parse HEAD where it was copied from)" >&2
+  exit 2
+fi
+result=${1:-benchmarks/results/gpu-tests-${ANGELGPT_COMMIT:0:7}.json}
+shift || true
+. scripts/device_wheels.sh
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+junit=$(mktemp --suffix .xml)
+started=$(date -u +%FT%TZ)
+python3 -m pytest -q -p no:cacheprovider -n "${PYTEST_WORKERS:-6}" --junitxml "$junit" -o junit_family=xunit1 \
+  "${@:-tests/gpu}"
+code=$?
+python3 - "$junit" "$result" "$started" "$code" "$*" <<'PY'
+import json, os, socket, subprocess, sys, xml.etree.ElementTree as ET
+from pathlib import Path
+
+junit, result, started, code, args = sys.argv[1:]
+tests = []
+for case in ET.parse(junit).iter("testcase"):
+    outcome = "passed"
+    for child in case:
+        if child.tag in ("failure", "error"):
+            outcome = "failed" if child.tag == "failure" else "error"
+        elif child.tag == "skipped":
+            outcome = "skipped"
+    path = case.get("file") or case.get("classname", "").replace(".", "/") + ".py"
+    tests.append({"nodeid": f"{path}::{case.get('name')}", "outcome": outcome,
+                  "duration_s": round(float(case.get("time", 0)), 2)})
+gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                     capture_output=True, text=True).stdout.strip()
+import torch
+run = {"started": started, "command": f"bash scripts/gpu_tests.sh {result} {args}".strip(), "exit_code": int(code),
+       "torch": torch.__version__, "tests": [t["nodeid"] for t in tests]}
+path = Path(result)
+data = json.loads(path.read_text()) if path.is_file() else {
+    "commit": os.environ["ANGELGPT_COMMIT"], "machine": {"gpu": gpu, "host": socket.gethostname(),
+                                                          "cpus": os.cpu_count()}, "runs": [], "tests": []}
+if data["commit"] != os.environ["ANGELGPT_COMMIT"]:
+    sys.exit(f"gpu_tests.sh: {result} holds commit {data['commit']}, not {os.environ['ANGELGPT_COMMIT']}")
+known = {t["nodeid"] for t in tests}
+data["tests"] = [t for t in data["tests"] if t["nodeid"] not in known] + tests
+data["runs"].append(run)
+path.parent.mkdir(parents=True, exist_ok=True)
+path.write_text(json.dumps(data, indent=1) + "\n")
+counts = {}
+for t in data["tests"]:
+    counts[t["outcome"]] = counts.get(t["outcome"], 0) + 1
+print(f"wrote {result}: {counts}")
+PY
+exit $code

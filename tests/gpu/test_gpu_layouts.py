@@ -1,0 +1,72 @@
+"""Several ranks on one GPU (tests/gpu/shared_gpu_worker.py: every rank on GPU 0, gloo default group,
+pipeline P2P through host memory), for Megatron's optimizer and ZeRO-Cache: data, tensor (with sequence
+parallelism) and pipeline parallelism and their products train on the GPU code paths, data parallelism
+gives the one-rank run's losses, and a checkpoint written at one layout resumes at another. Skipped
+without CUDA."""
+
+import pytest
+import torch
+
+from tests.helpers import train_shared_gpu
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+ITERS = 10
+TP2, PP2, SP = "parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2", \
+    "parallel.sequence_parallel=true"
+LAYOUTS = {"dp2": (2, []), "tp2-sp": (2, [TP2, SP]), "pp2": (2, [PP2]), "tp2-pp2": (4, [TP2, PP2]),
+           "dp2-tp2": (4, [TP2])}
+OPTIMIZERS = {"megatron": ["optim.optimizer=megatron"],
+              "zero_cache": ["optim.optimizer=zero_cache", "zero_cache.prefetch_cache_sub_group_rate=0.5"]}
+
+
+def _losses(records):
+    return [r["lm_loss"] for r in records]
+
+
+@pytest.fixture(scope="module", params=list(OPTIMIZERS))
+def one_rank(request, tmp_path_factory):
+    """The one-rank run of an optimizer, the reference of its layouts."""
+    name = request.param
+    return name, _losses(train_shared_gpu(tmp_path_factory.mktemp(name), "one", *OPTIMIZERS[name],
+                                          f"train.train_iters={ITERS}"))
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layout_trains_on_one_gpu(one_rank, layout, tmp_path):
+    """Each layout trains (the loss falls); data parallelism adds the same micro batches up as the one
+    rank does, so its losses are the one rank's."""
+    name, reference = one_rank
+    nproc, extra = LAYOUTS[layout]
+    losses = _losses(train_shared_gpu(tmp_path, layout, *OPTIMIZERS[name], *extra, f"train.train_iters={ITERS}",
+                                      nproc=nproc))
+    assert len(losses) == ITERS and losses[-1] < losses[0], losses
+    if layout == "dp2":
+        assert losses == pytest.approx(reference, rel=1e-3), (losses, reference)
+    else:  # first losses of a tiny model start near ln(512) whatever the layout's initial draw
+        assert losses[0] == pytest.approx(reference[0], rel=2e-2), (losses, reference)
+
+
+RESHARDS = {
+    # Megatron's default format (dp_reshardable) resumes at another data-parallel size
+    "megatron-dp2-to-dp1": ("megatron", 2, [], 1, []),
+    "megatron-fully-reshardable-tp2pp2-to-dp2": ("megatron", 4, [TP2, PP2, "checkpoint.dist_ckpt_optim_fully_reshardable=true"],
+                                                 2, []),
+    "zero_cache-tp2pp2-to-dp2": ("zero_cache", 4, [TP2, PP2], 2, []),
+    "zero_cache-dp2-to-tp2-sp": ("zero_cache", 2, [], 2, [TP2, SP]),
+}
+
+
+@pytest.mark.parametrize("case", list(RESHARDS))
+def test_checkpoint_resumes_at_another_layout_on_one_gpu(case, tmp_path):
+    """Saved at iteration 5 of 10 at one layout, resumed at another: iterations 6-10 give the losses
+    the saving run went on to (the same states and data; only the order of sums differs)."""
+    name, n_save, save_layout, n_load, load_layout = RESHARDS[case]
+    ck = tmp_path / "ck"
+    saved = train_shared_gpu(tmp_path, "saved", *OPTIMIZERS[name], *save_layout, f"train.train_iters={ITERS}",
+                             f"checkpoint.save={ck}", "checkpoint.save_interval=5", nproc=n_save)
+    (ck / "latest_checkpointed_iteration.txt").write_text("5\n")
+    resumed = train_shared_gpu(tmp_path, "resumed", *OPTIMIZERS[name], *load_layout, f"train.train_iters={ITERS}",
+                               f"checkpoint.load={ck}", nproc=n_load)
+    assert [r["iteration"] for r in resumed] == list(range(6, ITERS + 1))
+    assert _losses(resumed) == pytest.approx(_losses(saved)[5:], rel=1e-2), (_losses(resumed), _losses(saved))

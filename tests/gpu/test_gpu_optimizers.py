@@ -1,0 +1,94 @@
+"""Every optimizer on a GPU, as a user runs it: train, save (synchronously or in the background), resume
+equal to the uninterrupted run, export to transformers (its logits equal angelgpt's forward), generate
+and eval. Skipped without CUDA."""
+
+import json
+
+import pytest
+import torch
+
+from tests.helpers import read_metrics, run_cli, run_cli_in_process
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+ITERS, SAVED = 12, 6
+ZC = "optim.optimizer=zero_cache"
+CASES = {
+    "megatron": ["optim.optimizer=megatron"],
+    "megatron-async": ["optim.optimizer=megatron", "checkpoint.async_save=true"],
+    "megatron_cpu_offload-async": ["optim.optimizer=megatron_cpu_offload", "checkpoint.async_save=true"],
+    "zero_cache-rate0.0": [ZC, "zero_cache.prefetch_cache_sub_group_rate=0.0"],
+    # offloaded weights, gradients accumulated in the store (two micro batches a step)
+    "zero_cache-rate0.5-offloaded-in-store": [ZC, "zero_cache.prefetch_cache_sub_group_rate=0.5",
+                                              "zero_cache.offload_params=true", "zero_cache.accumulate_in_store=true",
+                                              "train.micro_batch_size=2"],
+    "zero_cache-activation-offload": [ZC, "model.recompute=full", "model.activation_offload=checkpoints"],
+    "zero_cache-nvme-async": [ZC, "zero_cache.prefetch_cache_sub_group_rate=0.3", "zero_cache.host_max_gib=0.0018",
+                              "checkpoint.async_save=true"],
+}
+
+
+def _train(tmp_path, name, *overrides):
+    metrics = tmp_path / f"{name}.jsonl"
+    # --force: the planner refuses the tiny host budget that sends ZeRO-Cache's states to NVMe
+    proc = run_cli("train", "--size", "tiny", "--device", "cuda", "--force", "--metrics-file", metrics,
+                   "logging.log_interval=1", f"train.train_iters={ITERS}", f"train.eval_interval={ITERS}",
+                   *overrides)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return read_metrics(metrics)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_optimizer_saves_resumes_and_exports_on_gpu(case, tmp_path):
+    """Trained 12 iterations saving at 6 and 12; resumed from the checkpoint of iteration 6, iterations
+    7-12 give the uninterrupted run's losses; the final checkpoint exports, transformers' logits equal
+    angelgpt's forward of it, and generate and eval run on it."""
+    from transformers import GPT2LMHeadModel
+
+    extra = list(CASES[case])
+    if "zero_cache.host_max_gib=0.0018" in extra:
+        extra.append(f"zero_cache.nvme_path={tmp_path / 'nvme'}")
+    ck = tmp_path / "ck"
+    full = _train(tmp_path, "full", *extra, f"checkpoint.save={ck}", f"checkpoint.save_interval={SAVED}")
+    assert full[-1]["lm_loss"] < full[0]["lm_loss"], [r["lm_loss"] for r in full]
+    assert sorted(p.name for p in ck.glob("iter_*")) == ["iter_0000006", "iter_0000012"]
+    if "checkpoint.async_save=true" in extra:  # iteration 6's was written in the background
+        assert full[SAVED - 1]["checkpoint"]["async"] == 1, full[SAVED - 1]
+
+    resume = tmp_path / "resume"
+    resume.mkdir()
+    (resume / "iter_0000006").symlink_to(ck / "iter_0000006")
+    (resume / "latest_checkpointed_iteration.txt").write_text(f"{SAVED}\n")
+    resumed = _train(tmp_path, "resumed", *extra, f"checkpoint.load={resume}")
+    assert [r["iteration"] for r in resumed] == list(range(SAVED + 1, ITERS + 1))
+    by_iter = {r["iteration"]: r["lm_loss"] for r in full}
+    for r in resumed:
+        assert r["lm_loss"] == pytest.approx(by_iter[r["iteration"]], rel=2e-3), (r, by_iter)
+
+    out = tmp_path / "hf"
+    proc = run_cli_in_process("export", "--load", ck, "--output", out)
+    assert proc.returncode == 0, proc.stderr
+    model = GPT2LMHeadModel.from_pretrained(out).eval()
+    tokens = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        theirs = model(tokens).logits
+    from angelgpt.export import quiet
+    from angelgpt.export.checkpoint_reader import CheckpointReader
+    from angelgpt.export.local_model import load_local_model
+
+    with quiet(), load_local_model(CheckpointReader.open(str(ck))) as (local, _), torch.no_grad():
+        ours = local(tokens, torch.arange(64).expand_as(tokens), None)
+    assert theirs.shape == ours.shape == (2, 64, 512)
+    assert (theirs - ours).abs().max().item() < 1e-3
+
+    proc = run_cli_in_process("generate", "--load", ck, "--prompt", "5 17 300", "--max-new-tokens", "5",
+                              "--temperature", "0", "--device", "cuda", "--json")
+    assert proc.returncode == 0, proc.stderr
+    generated = json.loads(proc.stdout)
+    assert generated["prompt_ids"] == [5, 17, 300] and 1 <= len(generated["new_ids"]) <= 5, generated
+    proc = run_cli_in_process("eval", "--load", ck, "--json")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["iteration"] == ITERS
+    # eval runs the checkpoint's weights in fp32 on the CPU, training validated them in bf16 on the GPU
+    assert result["loss"] == pytest.approx(full[-1]["val_loss"], rel=2e-2), (result, full[-1])

@@ -1,0 +1,82 @@
+"""`angelgpt train --dry-run` on a machine without a GPU: the checks that need CUDA are for the machine
+that will run the job, so a GPU job's dry run prints its config and torchrun command here too; with
+--machine NAME it prints the plan for that catalogue machine, its 'auto' values resolved."""
+
+import pytest
+
+from tests.helpers import check_one_line_error, run_cli
+
+JOB = ("train", "--size", "55", "--nproc-per-node", "8", "--dry-run")
+
+
+@pytest.fixture(scope="module")
+def no_gpu():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible here: these tests are of a machine without one")
+
+
+def _torchrun_line(proc):
+    return next(l for l in proc.stdout.splitlines() if l.startswith("torchrun command: "))
+
+
+def test_gpu_job_dry_run_without_a_gpu_prints_config_command_and_skips_the_plan(no_gpu):
+    proc = run_cli(*JOB)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""
+    assert "num_layers: 68" in proc.stdout and "params: 55,198,007,296" in proc.stdout
+    line = _torchrun_line(proc)
+    assert "--nproc-per-node 8 --standalone -m angelgpt.train.worker --size 55" in line
+    assert "train.device=cpu" not in line  # the job runs on the target's GPUs
+    skipped = [l for l in proc.stdout.splitlines() if l.startswith("plan: skipped")]
+    assert len(skipped) == 1 and "no GPU is visible" in skipped[0], proc.stdout
+    assert "resolved:" not in proc.stdout
+
+
+def test_dry_run_with_machine_prints_that_machines_plan(no_gpu):
+    from dataclasses import replace
+
+    from angelgpt.config import resolve
+    from angelgpt.planner import GIB, machine_from, resolve_config
+
+    proc = run_cli(*JOB, "--machine", "a100-40gx8")
+    assert proc.returncode == 0, proc.stderr
+    assert "--nproc-per-node 8" in _torchrun_line(proc)
+    assert "plan: skipped" not in proc.stdout
+    assert "target machine: a100-40gx8 (8 x A100 39.4 GiB" in proc.stdout
+    # the 'auto' values resolved for the target's GPUs, and the plan of that config for it
+    resolved = next(l for l in proc.stdout.splitlines() if l.startswith("resolved: "))
+    assert "train.device=cuda" in resolved and "zero_cache.device_update_fraction=" in resolved
+    assert "device: cuda" in proc.stdout
+    cfg, planned = resolve_config(resolve("55", None, []), machine_from("a100-40gx8", gpus_per_node=8), 8, 1, True)
+    plan_line = next(l for l in proc.stdout.splitlines() if l.startswith("plan: "))
+    assert (f"plan: {planned.system} needs {planned.gpu_total / GIB:.1f} GiB per GPU and "
+            f"{planned.host_total / GIB:.1f} GiB of host memory per node") in plan_line, plan_line
+    assert f"zero_cache.device_update_fraction={cfg.zero_cache.device_update_fraction}" in resolved
+
+
+def test_dry_run_with_machine_takes_its_gpus_per_node(no_gpu):
+    proc = run_cli("train", "--size", "55", "--dry-run", "--machine", "a100-40gx8")
+    assert proc.returncode == 0, proc.stderr
+    assert "--nproc-per-node 8" in _torchrun_line(proc)
+    assert "world size 8 = TP 2 x PP 1 x DP 4" in proc.stdout
+
+
+def test_device_cuda_dry_run_without_a_gpu(no_gpu):
+    proc = run_cli("train", "--size", "55", "--device", "cuda", "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    assert "train.device=cuda" in _torchrun_line(proc) and "plan: skipped" in proc.stdout
+
+
+@pytest.mark.parametrize("args, needle", [
+    ((*JOB, "model.depth=3"), "unknown key 'model.depth'"),
+    ((*JOB, "--machine", "a100-40gx8", "model.depth=3"), "unknown key 'model.depth'"),
+    ((*JOB, "--machine", "tpu"), "--machine must be one of"),
+    ((*JOB, "--device", "cpu"), "model.recompute 'full' needs CUDA"),  # a CPU dry run keeps the CPU checks
+    (("train", "--size", "tiny", "--device", "cpu", "--dry-run", "--machine", "a100-40gx8"), "a GPU machine"),
+    (JOB[:-1], "model.recompute 'full' needs CUDA"),  # not a dry run: this machine runs it, and refuses
+    (("train", "--size", "55", "--device", "cuda"), "no CUDA GPU is visible"),
+])
+def test_bad_input_is_still_one_line(no_gpu, args, needle):
+    check_one_line_error(run_cli(*args), needle)
