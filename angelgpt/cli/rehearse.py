@@ -9,6 +9,14 @@ measured peaks and step times are printed beside the planner's prediction for it
 written as JSON. Exit 0 when every rehearsed rank ran, 2 when one ran out of the target's memory (one
 line says what ran out), 1 when a rehearsal failed otherwise.
 
+Host memory is held to the rank's budget: the target node's host memory over its ranks (on a CPU
+rehearsal of a GPU target plus that GPU's memory, which the CPU holds here), never more than this
+machine has available. A rank whose plan needs more host memory than its share is refused before
+anything is built (one line naming both, exit 2, nothing written); a rank that outgrows its limit while
+it runs is killed, children and all, by the launcher's watcher (run_within_host_budget: the rank's RSS
+polled every 0.2 s), and the rehearsal stops there with one line and exit 2 (not this machine's
+out-of-memory killer, minutes later).
+
 No torch import at module level (the CLI stays quick).
 """
 
@@ -16,14 +24,119 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict, replace
+import threading
+from dataclasses import asdict, dataclass, replace
 from statistics import median
 from typing import List, Optional
 
 GIB = 1024 ** 3
+WATCH_INTERVAL_S = 0.2  # how often the launcher reads a rehearsed rank's RSS
+# of this machine's available host memory, what a rehearsed rank may not take: a poll's worth of growth
+# (a rank on the CPU fills GiBs a second) before the kernel's out-of-memory killer would act
+HERE_RESERVE_FRACTION, HERE_RESERVE_MIN = 0.1, GIB
+
+
+@dataclass
+class Watched:
+    """A command run by run_within_host_budget: its exit code, its stderr (None unless captured), the peak
+    RSS the watcher saw (the process and its descendants), and that RSS when it went over the limit and
+    the watcher killed it (None when it did not)."""
+    returncode: int
+    stderr: Optional[str]
+    peak_rss_bytes: int
+    over_bytes: Optional[int] = None
+
+
+def _tree(proc) -> list:
+    """psutil Process proc and its descendants (those still there)."""
+    import psutil
+
+    try:
+        return [proc] + proc.children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def _rss(procs) -> int:
+    import psutil
+
+    total = 0
+    for p in procs:
+        try:
+            total += p.memory_info().rss
+        except psutil.Error:  # gone, a zombie, or not ours to read
+            continue
+    return total
+
+
+def run_within_host_budget(cmd: List[str], limit_bytes: int, env: Optional[dict] = None, preexec_fn=None,
+                           capture_stderr: bool = True, interval: float = WATCH_INTERVAL_S) -> Watched:
+    """Runs cmd in a process group of its own while a thread reads the RSS of it and its descendants
+    every `interval` s; on the first reading over limit_bytes it kills the group and every descendant
+    seen (SIGKILL) and the command's result says so (over_bytes). Any process of the command still there
+    when it ends, or when the caller is interrupted, is killed too: none outlives this call. (A resource
+    limit such as RLIMIT_AS would count the address space torch and CUDA reserve, not the memory used.)"""
+    import psutil
+
+    def preexec() -> None:
+        os.setpgid(0, 0)  # the group the watcher kills: descendants the last poll did not see included
+        if preexec_fn is not None:
+            preexec_fn()
+
+    child = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE if capture_stderr else None,
+                             text=capture_stderr or None, errors="replace" if capture_stderr else None,
+                             preexec_fn=preexec)
+    try:
+        root = psutil.Process(child.pid)
+    except psutil.Error:  # gone already
+        root = None
+    seen: dict = {}
+    state = {"peak": 0, "over": None}
+    lock, stop = threading.Lock(), threading.Event()
+
+    def kill() -> None:
+        with lock:
+            if child.returncode is None:  # not reaped: its PID, and so its group, is still its own
+                try:
+                    os.killpg(child.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            for p in list(seen.values()):  # psutil checks the process is still the one it saw
+                try:
+                    p.kill()
+                except psutil.Error:
+                    pass
+
+    def watch() -> None:
+        while root is not None and not stop.is_set():
+            procs = _tree(root)
+            for p in procs:
+                seen.setdefault(p.pid, p)
+            rss = _rss(procs)
+            state["peak"] = max(state["peak"], rss)
+            if rss > limit_bytes:
+                state["over"] = rss
+                kill()
+                return
+            stop.wait(interval)
+
+    watcher = threading.Thread(target=watch, name="angelgpt-rehearsal-host-watch", daemon=True)
+    watcher.start()
+    try:
+        _, err = child.communicate()
+    except BaseException:
+        kill()
+        child.wait()
+        raise
+    finally:
+        stop.set()
+        watcher.join()
+    kill()  # whatever it left behind (nothing, normally)
+    return Watched(child.returncode, err, state["peak"], state["over"])
 
 
 def coordinates(rank: int, tp: int, pp: int, dp: int) -> dict:
@@ -69,6 +182,38 @@ def target_machine(zc, on_gpu: bool, gpus_per_node: int, machine: Optional[str],
         if value is not None:
             sources[key] = f"given: {value:g} GiB by --{key.split('_')[0]}-mem (the target node)"
     return replace(hw, sources=sources), total
+
+
+def _gib3(b) -> str:
+    """GiB to three decimals at most, trailing zeros dropped: 0.125, 1.8, 14.4."""
+    return f"{b / GIB:.3f}".rstrip("0").rstrip(".") + " GiB"
+
+
+def host_budget(share_bytes: int, source: str, on_gpu: bool, target_gpu_bytes: int, here_available: int):
+    """A rehearsed rank's host memory limit and its account: (limit bytes, budget bytes, what the budget
+    is). Its budget is the target node's host memory per rank (share_bytes; `source` says where that
+    came from); on a CPU rehearsal, where the CPU holds what the target's GPU would, plus that GPU's
+    memory (target_gpu_bytes; 0 for a target without GPUs, whose ranks have only their host share). The
+    limit is the budget, or what this machine can give the rank (here_available less a reserve) where
+    that is less."""
+    budget, why = share_bytes, f"{_gib3(share_bytes)} per rank: {source}"
+    if not on_gpu and target_gpu_bytes:
+        budget += target_gpu_bytes
+        why += f", plus the target GPU's {_gib3(target_gpu_bytes)}, held here by the CPU"
+    here = here_available - max(HERE_RESERVE_MIN, int(here_available * HERE_RESERVE_FRACTION))
+    if 0 < here < budget:
+        return here, budget, (f"this machine's available {_gib3(here_available)} less a reserve; its budget of "
+                              f"{_gib3(budget)} ({why}) is more than this machine has")
+    return budget, budget, why
+
+
+def over_budget_message(used: int, limit: int, budget: int, why: str) -> str:
+    """'used X GiB of host memory, over its budget of Y GiB (why)', X to as many decimals as tell it from Y."""
+    digits = next((d for d in range(2, 7) if f"{used / GIB:.{d}f}" != f"{limit / GIB:.{d}f}"), 6)
+    used_text = f"{used / GIB:.{digits}f} GiB"
+    if limit < budget:
+        return f"used {used_text} of host memory, over the {_gib3(limit)} this machine can give it ({why})"
+    return f"used {used_text} of host memory, over its budget of {_gib3(budget)} ({why})"
 
 
 def _gib(b) -> str:
@@ -198,6 +343,7 @@ def rehearse(cfg, size: Optional[str], config: Optional[str], extra: List[str], 
     from angelgpt.train.lifetime import agent_preexec
     from angelgpt.train.rehearse import REHEARSE_ENV
     from angelgpt.train.worker import MACHINE_ENV, RESOLVED_ENV
+    from angelgpt.zero_cache.tiers import mem_available_bytes
 
     if machine is not None and machine not in MACHINES:
         raise ConfigError(f"--machine must be one of {', '.join(MACHINES)}, got '{machine}'")
@@ -231,6 +377,21 @@ def rehearse(cfg, size: Optional[str], config: Optional[str], extra: List[str], 
     cfg = replace(cfg, zero_cache=replace(zc, host_max_gib=host_max))
     resolved, _ = resolve_config(cfg, hw, nproc_per_node, nnodes, on_gpu)
     line = resolved_line(cfg, resolved)
+    # each rank's plan, by pipeline stage; one whose host memory is more than the rank's share of the
+    # node's is refused here, before anything is built or written
+    plans = {p: plan_for(resolved, hw, nproc_per_node, nnodes, pp_rank=p)
+             for p in sorted({coordinates(r, tp, pp, dp)["pp_rank"] for r in ranks})}
+    share_bytes = int(share * GIB)
+    source = (f"--host-mem {host_mem:g} GiB" if host_mem is not None else
+              f"--machine {machine}'s {hw.host_mem_gib:g} GiB" if machine else
+              f"this machine's available {hw.host_mem_gib:.1f} GiB") + f" per node over {nproc_per_node} ranks"
+    for rank in ranks:
+        p_rank = coordinates(rank, tp, pp, dp)["pp_rank"]
+        need = sum(plans[p_rank].host_bytes.values())
+        if need > share_bytes:
+            raise ConfigError(f"rehearsal: the plan of rank {rank} ({stage_kind(p_rank, pp)} stage) needs "
+                              f"{_gib3(need)} of host memory, over its budget of {_gib3(share_bytes)} ({source}); "
+                              f"nothing was rehearsed")
     gpu_cap = None
     if on_gpu:
         gpu_cap = min(int(hw.gpu_mem_gib * GIB) - CUDA_CONTEXT, gpu_total)
@@ -272,10 +433,16 @@ def rehearse(cfg, size: Optional[str], config: Optional[str], extra: List[str], 
                         MACHINE_ENV: hw.to_json(), RESOLVED_ENV: line,
                         REHEARSE_ENV: json.dumps({"rank": rank, "world_size": world, "gpu_cap_bytes": gpu_cap,
                                                   "report": path})})
-            proc = subprocess.run(cmd, env=env, stderr=subprocess.PIPE, text=True, errors="replace",
-                                  preexec_fn=agent_preexec())
-            report = json.load(open(path)) if os.path.isfile(path) else None
-            if report is None:
+            limit, budget, why = host_budget(share_bytes, source, on_gpu, int(hw.gpu_mem_gib * GIB),
+                                             mem_available_bytes())
+            proc = run_within_host_budget(cmd, limit, env=env, preexec_fn=agent_preexec())
+            report = json.load(open(path)) if os.path.isfile(path) and proc.over_bytes is None else None
+            if proc.over_bytes is not None:
+                report = {"rank": rank, "fits": False, "device": "cuda" if on_gpu else "cpu", "error": None,
+                          "ran_out": {"resource": "host memory", "by": "the launcher's watcher",
+                                      "message": over_budget_message(proc.over_bytes, limit, budget, why)},
+                          "measured": {"host_peak_rss_bytes": proc.peak_rss_bytes}}
+            elif report is None:
                 killed = proc.returncode == -9
                 report = {"rank": rank, "fits": False, "device": "cuda" if on_gpu else "cpu",
                           "ran_out": {"resource": "host memory", "message": "the rehearsal was killed by SIGKILL, "
@@ -290,15 +457,18 @@ def rehearse(cfg, size: Optional[str], config: Optional[str], extra: List[str], 
                       file=sys.stderr)
             report.update(stage=kind, coordinates=where, node_rank=rank // nproc_per_node, gpu_cap_bytes=gpu_cap,
                           host_budget_bytes=int(host_max * GIB), host_share_bytes=int(share * GIB),
+                          host_limit_bytes=limit, host_limit=why, host_watched_peak_rss_bytes=proc.peak_rss_bytes,
                           cpu_threads=int(env["OMP_NUM_THREADS"]), exit_code=proc.returncode,
                           predicted=_predicted(
-                              plan_for(resolved, hw, nproc_per_node, nnodes, pp_rank=where["pp_rank"]),
+                              plans[where["pp_rank"]],
                               plan_for(resolved, here, nproc_per_node, nnodes, pp_rank=where["pp_rank"]) if here
                               else None, where["pp_rank"], hw.gpu_tflops, here.gpu_tflops if here else None))
             results.append(report)
             print(render_rank(report), flush=True)
             if not report.get("fits"):
                 failed.append(report)
+            if proc.over_bytes is not None:  # the rest would be held to the same budget: stop here
+                break
 
     network = plan_for(resolved, hw, nproc_per_node, nnodes).step_s.get("network", 0.0)
     communication = {"network_s": network, "predicted": True,
@@ -327,6 +497,12 @@ def rehearse(cfg, size: Optional[str], config: Optional[str], extra: List[str], 
         print(f"angelgpt: error: rehearsal of rank {worst['rank']} failed: {worst.get('error')}", file=sys.stderr,
               flush=True)
         raise SystemExit(2 if worst.get("exit_code") == 2 else 1)
+    watched = [r for r in ran_out if r["ran_out"].get("by")]
+    if watched:
+        first = watched[0]
+        print(f"angelgpt: error: rehearsal: rank {first['rank']} ({first['stage']} stage) "
+              f"{first['ran_out']['message']}; stopped by the launcher", file=sys.stderr, flush=True)
+        raise SystemExit(2)
     if ran_out:
         first = ran_out[0]
         who = ", ".join(f"rank {r['rank']} ({r['stage']} stage)" for r in ran_out)

@@ -20,6 +20,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from angelgpt.parallel.shared_device import SharedDevice
+
 
 @dataclass(frozen=True)
 class Rehearsal:
@@ -28,15 +30,6 @@ class Rehearsal:
     rank: int
     world_size: int
     gpu_cap_bytes: Optional[int] = None
-
-
-@dataclass(frozen=True)
-class SharedDevice:
-    """Every rank of the node on one GPU (for tests: several ranks where one GPU is lent). NCCL refuses
-    two ranks on one GPU, so the default group is gloo, which carries all-reduce, reduce-scatter and
-    all-gather of CUDA tensors; pipeline sends and receives go through host memory (`p2p.host_staged`)."""
-
-    device: int = 0
 
 
 _REHEARSAL: dict = {"now": None}
@@ -142,8 +135,10 @@ def initialize(tensor_parallel: int, pipeline_parallel: int, on_gpu: bool, timeo
 
     if rehearse is not None:
         return _start_rehearsal(rehearse, tensor_parallel, pipeline_parallel, on_gpu)
-    if on_gpu:
-        torch.cuda.set_device(shared.device if shared else int(os.environ.get("LOCAL_RANK", "0")))
+    if on_gpu and shared is not None:
+        shared.start()
+    elif on_gpu:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
         backend = "nccl" if on_gpu and shared is None else "gloo"
         dist.init_process_group(backend, timeout=timedelta(minutes=timeout_minutes))

@@ -277,12 +277,12 @@ class Saver:
             log.info(f"checkpoint of iteration {iteration} written in the background in {done['write_s']:.2f} s "
                      f"(finalized in {done['finalize_s']:.2f} s)")
 
-    def abandon(self) -> None:
-        """After an error: waits for this rank's write to end and leaves the save unfinalized (iter_N.tmp
-        is never renamed: the other ranks may not be there to finalize it)."""
-        if self.pending is not None:
-            self.pending[2].join()
-            self.pending = None
+    def abandon(self, timeout: float) -> bool:
+        """After an error: waits (at most `timeout` seconds) for this rank's write to end and leaves the
+        save unfinalized (iter_N.tmp is never renamed: the other ranks may not be there to finalize it);
+        whether the write ended (a stuck one is a daemon thread, gone with the process)."""
+        pending, self.pending = self.pending, None
+        return pending is None or pending[2].join(timeout)
 
     def take_events(self) -> Optional[dict]:
         """The events since the last call merged into one record (seconds summed), or None."""

@@ -169,9 +169,11 @@ class WriteJob:
     def done(self) -> bool:
         return self.thread is None or not self.thread.is_alive()
 
-    def join(self) -> None:
+    def join(self, timeout: Optional[float] = None) -> bool:
+        """Waits for the background write (at most `timeout` seconds); whether it has ended."""
         if self.thread is not None:
-            self.thread.join()
+            self.thread.join(timeout)
+        return self.done()
 
     def finish(self) -> Optional[Dict[str, Tuple[int, int]]]:
         """Collective, after write() on every rank: the coordinator writes DCP's .metadata from all

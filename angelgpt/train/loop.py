@@ -27,6 +27,36 @@ class TrainingAborted(RuntimeError):
     """Training cannot go on (for example, too many skipped iterations in a row)."""
 
 
+class SaveFailed(TrainingAborted):
+    """A checkpoint could not be saved; the previous one stays the latest."""
+
+
+CLOSE_TIMEOUT_S = 60.0  # each of the optimizer, the metrics writers and a background write, after an error
+
+
+def close_within(closers, timeout: float = CLOSE_TIMEOUT_S) -> List[str]:
+    """Calls each (name, close) in turn on a daemon thread, waiting at most `timeout` seconds for each;
+    the names of those that raised or did not end in time (a stuck one is left to end with the process)."""
+    import threading
+
+    failed = []
+    for name, close in closers:
+        error = []
+
+        def run(close=close, error=error):
+            try:
+                close()
+            except BaseException as exc:  # noqa: BLE001 (reported by name; the first error is what matters)
+                error.append(exc)
+
+        thread = threading.Thread(target=run, name=f"angelgpt-close-{name}", daemon=True)
+        thread.start()
+        thread.join(timeout)
+        if thread.is_alive() or error:
+            failed.append(name)
+    return failed
+
+
 _SIGNALLED = {"count": 0}
 PHASE = {"now": "set-up"}  # what training is doing, for a rank that reports a collective timing out
 
@@ -113,14 +143,14 @@ def _host_staged(forward_backward, model):
     tensor at a time: batch_p2p_comm off in the model's config)."""
     from megatron.core.utils import get_model_config
 
-    from angelgpt.parallel import p2p
+    from angelgpt.parallel import shared_device
 
     config = get_model_config(model)
     config.batch_p2p_comm = False
-    p2p.check_config(config)
+    shared_device.check_config(config)
 
     def run(**kwargs):
-        with p2p.host_staged():
+        with shared_device.host_staged():
             return forward_backward(**kwargs)
 
     return run
@@ -143,9 +173,9 @@ class Trainer:
             from megatron.core.pipeline_parallel import get_forward_backward_func
 
             self.forward_backward = get_forward_backward_func()
-            from angelgpt.parallel import p2p
+            from angelgpt.parallel import shared_device
 
-            if p2p.needs_staging(on_gpu):  # ranks sharing one GPU under gloo: P2P through host memory
+            if shared_device.needs_staging(on_gpu):  # ranks sharing one GPU under gloo: P2P through host memory
                 self.forward_backward = _host_staged(self.forward_backward, model)
         elif self.pipelined:  # Megatron's 1F1B with its CUDA allocations kept on the CPU
             from angelgpt.parallel import cpu_schedules
@@ -211,9 +241,20 @@ class Trainer:
 
     def save(self, last: bool) -> None:
         """A checkpoint of this iteration; with checkpoint.async_save written in the background, except the
-        run's last one (nothing trains on while it is written)."""
-        self.saver.save(self.iteration, self.consumed, self.model, self.optimizer, self.scheduler,
-                        asynchronous=self.cfg.checkpoint.async_save and not last)
+        run's last one (nothing trains on while it is written). A save that fails stops training with one
+        line naming the cause; the checkpoint before it stays the latest."""
+        try:
+            self.saver.save(self.iteration, self.consumed, self.model, self.optimizer, self.scheduler,
+                            asynchronous=self.cfg.checkpoint.async_save and not last)
+        except Exception as exc:
+            if parallel.is_timeout(exc):
+                raise
+            latest = checkpoint.latest_iteration(self.cfg.checkpoint.save)
+            cause = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+            kept = (f"the latest checkpoint is still iteration {latest}" if latest is not None
+                    else "no earlier checkpoint exists")
+            raise SaveFailed(f"the checkpoint of iteration {self.iteration} could not be saved in "
+                             f"{self.cfg.checkpoint.save} ({type(exc).__name__}: {cause[:300]}); {kept}") from exc
 
     def _save_record(self) -> dict:
         """The checkpoint saves' times since the last record (stall_s: the loop blocked; write_s and
@@ -242,8 +283,15 @@ class Trainer:
             if self.saver:  # the last save is synchronous: nothing is left in flight, but be sure
                 self.saver.finalize(blocking=True)
         except BaseException:
-            if self.saver:  # this rank's write ends; the save stays unfinalized (iter_N.tmp)
-                self.saver.abandon()
+            # this rank's write ends (or is left behind after its time); the save stays unfinalized
+            # (iter_N.tmp); the optimizer's threads and files, the profiler and the metrics sinks close
+            closers = [("checkpoint write", lambda: self.saver and self.saver.abandon(CLOSE_TIMEOUT_S)),
+                       ("profiler", profiling.close), ("metrics writers", self.writer.close),
+                       ("optimizer", self.optimizer.close)]
+            stuck = close_within(closers)
+            if stuck:
+                log.warning(f"after the error, {', '.join(stuck)} did not close cleanly within "
+                            f"{CLOSE_TIMEOUT_S:.0f} s each", extra=EVERY_RANK)
             raise
         profiling.close()
         self.writer.close()

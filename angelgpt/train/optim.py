@@ -166,6 +166,12 @@ class MegatronDistributedOptimizer(Optimizer):
         """Megatron's distributed-optimizer state in the format `metadata` names (Megatron's
         `distrib_optim_sharding_type`: `dp_reshardable` unless the checkpoint says otherwise; Megatron's
         own default, `fully_sharded_model_space`, is deprecated and refuses the model's tensors)."""
+        if is_loading:
+            for inner in getattr(self.inner, "chained_optimizers", [self.inner]):
+                if not any("step" in s for s in inner.optimizer.state.values()):
+                    # a fresh optimizer has no states to load into: Megatron's own placeholders (one step
+                    # on zero gradients), which the load replaces in place
+                    inner._init_optimizer_states_with_dummy_values()
         metadata = dict(metadata or {})
         metadata.setdefault("distrib_optim_sharding_type", DP_RESHARDABLE)
         metadata.setdefault("chained_optim_avoid_prefix", True)

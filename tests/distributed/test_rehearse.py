@@ -1,8 +1,12 @@
 """`angelgpt train --rehearse` on CPU: a TP 2 x PP 2 x DP 2 job of 8 ranks rehearsed one process per
 pipeline stage kind under torch's fake process group, each rank's measurement beside the planner's
-prediction; a host budget too small exits 2 with one line naming what ran out."""
+prediction; a host budget too small exits 2 with one line naming what ran out, a rank that outgrows its
+share of the node's host memory while it runs is stopped by the launcher within seconds."""
 
 import json
+import time
+
+import psutil
 
 from tests.helpers import check_one_line_error, run_cli
 
@@ -53,8 +57,11 @@ def test_rehearsal_of_each_stage_kind_reports_memory_beside_the_plan(tmp_path):
 
 def test_rehearsal_short_of_host_memory_exits_2_naming_it(tmp_path):
     report = tmp_path / "short.json"
+    # the node's host memory is plenty (the plan fits it: no refusal before building), ZeRO-Cache's host
+    # tier is not
     proc = run_cli("train", *LAYOUT, "optim.optimizer=zero_cache", "zero_cache.prefetch_cache_sub_group_rate=0.0",
-                   "--host-mem", "0.001", "--rehearse-rank", "0", "--metrics-file", report, timeout=600)
+                   "zero_cache.host_max_gib=0.0001", "--host-mem", "64", "--rehearse-rank", "0",
+                   "--metrics-file", report, timeout=600)
     check_one_line_error(proc, "ran out of host memory", in_worker=True)
     assert "rank 0 (first stage)" in proc.stderr
     data = json.loads(report.read_text())
@@ -62,3 +69,21 @@ def test_rehearsal_short_of_host_memory_exits_2_naming_it(tmp_path):
     (r,) = data["ranks"]
     assert r["ran_out"]["resource"] == "host memory" and "host needs" in r["ran_out"]["message"]
     assert r["exit_code"] == 2
+
+
+def test_a_rank_outgrowing_its_share_of_the_host_is_stopped_by_the_launcher(tmp_path):
+    """125m on the CPU fits its plan's 1.8 GiB per rank of 16 GiB over 8 ranks, then outgrows the 2 GiB
+    while it builds: the launcher kills it (not this machine's OOM killer) and stops, one line, exit 2."""
+    report = tmp_path / "over.json"
+    start = time.monotonic()
+    proc = run_cli("train", "--size", "125m", "--device", "cpu", "--nproc-per-node", "8", "--rehearse",
+                   "--host-mem", "16", "--rehearse-steps", "1", "--metrics-file", report, timeout=600)
+    assert time.monotonic() - start < 120
+    check_one_line_error(proc, "rank 0 (only stage) used ", in_worker=True)
+    assert "of host memory, over its budget of 2 GiB (2 GiB per rank: --host-mem 16 GiB per node over 8 ranks); " \
+           "stopped by the launcher" in proc.stderr
+    (r,) = json.loads(report.read_text())["ranks"]
+    assert r["ran_out"]["resource"] == "host memory" and r["exit_code"] == -9
+    assert r["measured"]["host_peak_rss_bytes"] > 2 * 1024 ** 3 == r["host_limit_bytes"]
+    left = [p for p in psutil.process_iter(["cmdline"]) if str(report) in " ".join(p.info["cmdline"] or [])]
+    assert not left  # no rehearsed rank left running

@@ -186,3 +186,27 @@ def test_a_rank_that_stops_answering_is_reported_by_the_others(tmp_path):
     assert reports and reports[0].startswith("angelgpt: rank 0: a collective timed out after 0.1 min "
                                              "(parallel.distributed_timeout_minutes) during iteration "), err[-3000:]
     assert "another rank stopped answering" in reports[0]
+
+
+def test_a_failed_save_keeps_the_previous_checkpoint_and_says_why(tmp_path):
+    """The save of iteration 8 cannot create its directory (a file stands where iter_0000008.tmp goes):
+    the run stops with one line naming the cause and the checkpoint still latest, exits non-zero with no
+    process left, and the checkpoint of iteration 4 stays the latest and loads."""
+    from angelgpt.train.checkpoint import verify
+
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "iter_0000008.tmp").write_text("in the way")
+    proc = start_cli("train", "--size", "tiny", "--device", "cpu", "--nproc-per-node", "2", "train.train_iters=12",
+                     "checkpoint.save_interval=4", f"checkpoint.save={ck}")
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode != 0
+    lines = [line for line in err.splitlines() if line.startswith("angelgpt: ")]
+    assert any("the checkpoint of iteration 8 could not be saved" in line and
+               "the latest checkpoint is still iteration 4" in line for line in lines), err[-3000:]
+    assert "angelgpt/train/" not in err, err[-3000:]  # no worker traceback (torchrun's agent reports exit 1)
+    assert tracker(ck) == 4 and verify(ck / "iter_0000004") is None
+    assert not (ck / "iter_0000008").exists()
+    assert wait_for(lambda: not psutil.pid_exists(proc.pid) or not workers(proc), timeout=10)
+    resumed = train_tiny(tmp_path, "resumed", f"checkpoint.load={ck}", "train.train_iters=6", nproc=2)
+    assert resumed[0]["iteration"] == 5

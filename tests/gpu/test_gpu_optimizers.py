@@ -52,8 +52,9 @@ def test_optimizer_saves_resumes_and_exports_on_gpu(case, tmp_path):
     full = _train(tmp_path, "full", *extra, f"checkpoint.save={ck}", f"checkpoint.save_interval={SAVED}")
     assert full[-1]["lm_loss"] < full[0]["lm_loss"], [r["lm_loss"] for r in full]
     assert sorted(p.name for p in ck.glob("iter_*")) == ["iter_0000006", "iter_0000012"]
-    if "checkpoint.async_save=true" in extra:  # iteration 6's was written in the background
-        assert full[SAVED - 1]["checkpoint"]["async"] == 1, full[SAVED - 1]
+    if "checkpoint.async_save=true" in extra:  # iteration 6's was written in the background (recorded at 7)
+        assert full[SAVED]["checkpoint"]["async"] == 1 and full[SAVED]["checkpoint"]["save_iteration"] == SAVED, \
+            full[SAVED]
 
     resume = tmp_path / "resume"
     resume.mkdir()
@@ -68,7 +69,7 @@ def test_optimizer_saves_resumes_and_exports_on_gpu(case, tmp_path):
     out = tmp_path / "hf"
     proc = run_cli_in_process("export", "--load", ck, "--output", out)
     assert proc.returncode == 0, proc.stderr
-    model = GPT2LMHeadModel.from_pretrained(out).eval()
+    model = GPT2LMHeadModel.from_pretrained(out).eval()  # the export's bf16 weights
     tokens = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         theirs = model(tokens).logits
@@ -79,7 +80,9 @@ def test_optimizer_saves_resumes_and_exports_on_gpu(case, tmp_path):
     with quiet(), load_local_model(CheckpointReader.open(str(ck))) as (local, _), torch.no_grad():
         ours = local(tokens, torch.arange(64).expand_as(tokens), None)
     assert theirs.shape == ours.shape == (2, 64, 512)
-    assert (theirs - ours).abs().max().item() < 1e-3
+    # transformers computes in bf16, angelgpt's forward in fp32 from the same bf16 weights
+    assert theirs.dtype == torch.bfloat16
+    assert (theirs.float() - ours).abs().max().item() < 2e-2 * ours.abs().max().item(), (theirs, ours)
 
     proc = run_cli_in_process("generate", "--load", ck, "--prompt", "5 17 300", "--max-new-tokens", "5",
                               "--temperature", "0", "--device", "cuda", "--json")
