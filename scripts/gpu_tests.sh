@@ -34,8 +34,12 @@ for case in ET.parse(junit).iter("testcase"):
         elif child.tag == "skipped":
             outcome = "skipped"
     path = case.get("file") or case.get("classname", "").replace(".", "/") + ".py"
-    tests.append({"nodeid": f"{path}::{case.get('name')}", "outcome": outcome,
-                  "duration_s": round(float(case.get("time", 0)), 2)})
+    entry = {"nodeid": f"{path}::{case.get('name')}", "outcome": outcome,
+             "duration_s": round(float(case.get("time", 0)), 2)}
+    props = {p.get("name"): p.get("value") for p in case.iter("property")}
+    if props:  # figures a test measured (record_property)
+        entry["properties"] = props
+    tests.append(entry)
 gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
                      capture_output=True, text=True).stdout.strip()
 import torch

@@ -40,7 +40,7 @@ def run_config(reader, overrides: Optional[List[str]] = None, device: str = "cpu
     raw = {k: dict(v) if isinstance(v, dict) else v for k, v in reader.config.items()}
     padded = int(reader.shape("embedding.word_embeddings.weight")[0])
     raw["model"].update(make_vocab_size_divisible_by=padded, recompute="none", recompute_num_layers=None,
-                        transformer_impl="local")
+                        activation_offload="none", transformer_impl="local")
     raw["parallel"].update(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
     if "sequence_parallel" in raw["parallel"]:
         raw["parallel"]["sequence_parallel"] = False

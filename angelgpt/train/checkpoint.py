@@ -101,9 +101,18 @@ def format_metadata(config: dict) -> dict:
     return checkpoint_metadata(bool(config.get("checkpoint", {}).get("dist_ckpt_optim_fully_reshardable")))
 
 
+def _module(model):
+    """The model whose state is saved: inside Megatron's DDP wrapper (which would prefix every key with
+    `module.` on save but load its module's keys), so that every optimizer's checkpoint has the same
+    model keys (`embedding.`, `decoder.`, `output_layer.`)."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
 def _state(model, optimizer, scheduler, iteration: int, consumed: int, loading: bool,
            saved_layout: Optional[Tuple[int, int]] = None, metadata: Optional[dict] = None) -> dict:
-    model_sd = model.sharded_state_dict()
+    model_sd = _module(model).sharded_state_dict()
     optimizer_sd = optimizer.sharded_state_dict(model_sd, is_loading=loading, metadata=metadata)
     if optimizer.per_layer_checkpoint_keys:
         model_sd, optimizer_sd = per_layer_keys(model_sd), per_layer_keys(optimizer_sd)
@@ -357,7 +366,7 @@ def load(root: str, model, optimizer, scheduler) -> Tuple[int, int]:
             # (the answer holds the checkpoint's common state too: only the RNG is taken)
             state["rng_state"] = dist_checkpointing.load(rng_request, str(path),
                                                          validate_access_integrity=False)["rng_state"]
-        model.load_state_dict(state["model"])
+        _module(model).load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["opt_param_scheduler"])
     _set_rng_state(state["rng_state"])

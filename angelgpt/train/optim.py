@@ -22,7 +22,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from angelgpt.config import Config
+from angelgpt.config import Config, ConfigError
 from angelgpt.optimizer import Optimizer, clip_coefficient, no_weight_decay
 from angelgpt.parallel.embedding import sync_tied_embedding_grads
 from angelgpt.parallel.sequence import allreduce_sequence_parallel_grads
@@ -147,9 +147,10 @@ class MegatronDistributedOptimizer(Optimizer):
     """Megatron's distributed optimizer (or its CPU offload) with the DDP model whose gradient buffer it
     steps from: zero_grad clears both."""
 
-    def __init__(self, ddp_model, megatron_optimizer):
+    def __init__(self, ddp_model, megatron_optimizer, offloaded: bool = False):
         self.model = ddp_model
         self.inner = megatron_optimizer
+        self.offloaded = offloaded  # Megatron's HybridDeviceOptimizer (megatron_cpu_offload)
 
     @property
     def param_groups(self):
@@ -166,6 +167,11 @@ class MegatronDistributedOptimizer(Optimizer):
         """Megatron's distributed-optimizer state in the format `metadata` names (Megatron's
         `distrib_optim_sharding_type`: `dp_reshardable` unless the checkpoint says otherwise; Megatron's
         own default, `fully_sharded_model_space`, is deprecated and refuses the model's tensors)."""
+        if is_loading and self.offloaded:
+            raise ConfigError("checkpoint.load: optim.optimizer 'megatron_cpu_offload' cannot resume its "
+                              "optimizer state with megatron-core 0.16 without transformer-engine (Megatron's "
+                              "HybridDeviceOptimizer fails reloading it); resume with optim.optimizer=megatron, "
+                              "or export the checkpoint")
         if is_loading:
             for inner in getattr(self.inner, "chained_optimizers", [self.inner]):
                 if not any("step" in s for s in inner.optimizer.state.values()):
@@ -210,7 +216,7 @@ def build_megatron_optimizer(model, cfg: Config) -> MegatronDistributedOptimizer
 
     # a rehearsal's fake process group has no gloo groups beside it
     return MegatronDistributedOptimizer(model, get_megatron_optimizer(
-        opt_config, [model], use_gloo_process_groups=parallel.rehearsal() is None))
+        opt_config, [model], use_gloo_process_groups=parallel.rehearsal() is None), offloaded=bool(offload))
 
 
 def build_scheduler(optimizer, cfg: Config) -> OptimizerParamScheduler:

@@ -13,12 +13,12 @@ from tests.helpers import read_metrics, run_cli, run_cli_in_process
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 ITERS = 300
-# calibrated on the H200 (benchmarks/results/gpu-tests-*.json lists the run; the measured figure is
-# printed by the test): validation loss at iteration 300 of this shape, with some room
+# the validation loss at iteration 300 must fall below this; the measured losses are recorded in the
+# result file of scripts/gpu_tests.sh (the test's val_loss_by_iteration property)
 VAL_LOSS_BELOW = 5.0
 
 
-def test_shakespeare_trains_saves_and_evaluates_on_gpu(corpus, tmp_path):
+def test_shakespeare_trains_saves_and_evaluates_on_gpu(corpus, tmp_path, record_property):
     proc = run_cli("tokenizer", "train", "--input", corpus, "--vocab-size", "1024", "--output", tmp_path / "tok")
     assert proc.returncode == 0, proc.stderr[-2000:]
     proc = run_cli("data", "prepare", "--input", corpus, "--tokenizer", tmp_path / "tok", "--output",
@@ -34,7 +34,7 @@ def test_shakespeare_trains_saves_and_evaluates_on_gpu(corpus, tmp_path):
                    "optim.lr_warmup_iters=30", "logging.log_interval=50", timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     val = [(r["iteration"], r["val_loss"]) for r in read_metrics(metrics) if r.get("val_loss") is not None]
-    print(f"validation loss by iteration: {val}")
+    record_property("val_loss_by_iteration", json.dumps(val))  # into the gpu-tests result file
     assert [i for i, _ in val] == [100, 200, 300]
     assert val[-1][1] < val[0][1] and val[-1][1] < VAL_LOSS_BELOW, val
     assert (ck / "iter_0000300").is_dir()
