@@ -377,15 +377,6 @@ class CheckpointConfig:
     ranks, less 10%) cannot hold the copy writes synchronously, saying so in one line. The run's last
     save (end, exit_interval, signal, abort) is written synchronously. Off by default, as in Megatron:
     with ZeRO-Cache the copy doubles the host memory the states take."""
-    dist_ckpt_optim_fully_reshardable: bool = False
-    """Megatron's optimizers (`megatron`, `megatron_cpu_offload`): save their distributed-optimizer state
-    in the `fully_reshardable` format (Megatron's --dist-ckpt-optim-fully-reshardable: the states
-    gathered over data-parallel ranks into one tensor per parameter, so the checkpoint resumes at any
-    TP, PP and DP) instead of `dp_reshardable` (the default, as in Megatron: each rank writes its own
-    bucket shard with no communication; the checkpoint resumes at another data-parallel size but the
-    same TP and PP). A checkpoint loads in the format it was saved in. ZeRO-Cache's and the CPU
-    optimizer's checkpoints reshard at any layout either way."""
-
     def __post_init__(self):
         _require(self.save_interval is None or self.save_interval > 0,
                  f"checkpoint.save_interval must be > 0, got {self.save_interval}")

@@ -42,6 +42,8 @@ def run_config(reader, overrides: Optional[List[str]] = None, device: str = "cpu
     raw["model"].update(make_vocab_size_divisible_by=padded, recompute="none", recompute_num_layers=None,
                         activation_offload="none", transformer_impl="local")
     raw["parallel"].update(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    if raw.get("optim", {}).get("optimizer") == "megatron_cpu_offload":  # no optimizer here; it needs CUDA
+        raw["optim"]["optimizer"] = "megatron"
     if "sequence_parallel" in raw["parallel"]:
         raw["parallel"]["sequence_parallel"] = False
     raw["checkpoint"] = {"save": None, "load": None}

@@ -12,10 +12,9 @@ norms, under Megatron's model-parallel RNG tracker), its tensors become the skel
 copies what the rank owns into its chunks and releases the layer if it is offloaded. So the device
 never holds more than the resident layers and one offloaded layer.
 
-On CPU the fresh layer is angelgpt's seeded layer (its weights drawn from the seed and its global
-layer number), so a deferred build equals an ordinary one exactly; the CPU RNG state is kept around
-each materialization. On GPU the values come from the tracker in another order than an ordinary build
-(same distributions, other draws).
+The fresh layer is angelgpt's seeded layer (its full weights drawn on ``device`` from the seed and its
+global layer number, the rank's tensor-parallel slice kept), so a deferred build equals an ordinary one
+exactly, on the CPU and on a GPU; the RNG states are kept around each materialization.
 
     model = build_gpt(cfg, on_gpu, defer_layers=True)          # layers on 'meta'
     opt = ZeroCacheOptimizer(model, cfg, device, ...)           # materializes them one by one
@@ -65,10 +64,10 @@ def deferred_layer(base: type) -> type:
             """This layer's tensors replaced by those of a fresh, initialised layer of the same build on
             ``device`` (its parameters stay the same Python objects: the references others hold stay valid)."""
             config, submodules, layer_number, args, kwargs = self._angelgpt_build
-            with torch.random.fork_rng(devices=[]):  # the CPU generator as the ordinary build leaves it
+            # the generators as the ordinary build leaves them; the layer drawn on the device it goes to
+            gpus = [torch.cuda.current_device() if device.index is None else device.index] if device.type == "cuda" else []
+            with torch.random.fork_rng(devices=gpus), device:
                 fresh = base(config, submodules, layer_number, *args, **kwargs)
-            if device.type != "cpu":
-                fresh = fresh.to(device)
             # swapped, not assigned: a meta tensor cannot take another device's data, and the store, its
             # hooks and the optimizer hold these very parameter objects
             # in the skeleton's dtypes: a wrapper (Megatron's Float16Module) may have cast the model after it

@@ -55,9 +55,11 @@ def transformer_config(cfg: Config, on_gpu: bool, perform_initialization: bool =
         pipeline_dtype=torch.bfloat16 if on_gpu else torch.float32,
         params_dtype=torch.bfloat16 if on_gpu else torch.float32,
         bf16=on_gpu,
-        # On CPU the full (unsplit) weights come from one RNG stream, so every TP size starts from
-        # the same model; on GPU each rank initialises its shard in place (Megatron's RNG tracker).
-        use_cpu_initialization=not on_gpu,
+        # Megatron's "CPU initialization" draws each full (unsplit) weight and keeps the rank's slice, so
+        # every TP size starts from the same model; angelgpt's local spec draws it on the device the
+        # model is built on (build_gpt), from the layer's own seed. Transformer-engine's spec initialises
+        # each rank's shard in place (Megatron's RNG tracker).
+        use_cpu_initialization=not use_transformer_engine(cfg, on_gpu),
         perform_initialization=perform_initialization,
         gradient_accumulation_fusion=False,
         bias_activation_fusion=False,
@@ -75,9 +77,10 @@ def transformer_config(cfg: Config, on_gpu: bool, perform_initialization: bool =
 
 
 def _seeded_layer(seed: int):
-    """Megatron's TransformerLayer that, on CPU, seeds the CPU RNG from (seed, global layer number) before
-    drawing its weights: a layer starts the same whatever pipeline stage builds it (the first stage's
-    embeddings draw from the seed the worker set, the last stage's output layer after the last layer)."""
+    """Megatron's TransformerLayer that seeds the RNG (CPU and GPU generators) from (seed, global layer
+    number) before drawing its weights: a layer starts the same whatever pipeline stage builds it, and
+    whether it is built with the model or later (deferred); the first stage's embeddings draw from the
+    seed the worker set, the last stage's output layer after the last layer."""
     from megatron.core.transformer.transformer_layer import TransformerLayer, get_transformer_layer_offset
 
     class SeededTransformerLayer(TransformerLayer):
@@ -128,8 +131,7 @@ def layer_spec(cfg: Config, on_gpu: bool, defer_layers: bool = False) -> ModuleS
 
     spec = gpt_layer_specs.get_gpt_layer_local_spec()
     spec.submodules.self_attention.submodules.core_attention = SDPAttention
-    if not on_gpu:
-        spec.module = _seeded_layer(cfg.train.seed)
+    spec.module = _seeded_layer(cfg.train.seed)
     if defer_layers:
         from angelgpt.model.deferred import deferred_layer
 
@@ -146,20 +148,18 @@ def build_gpt(cfg: Config, on_gpu: bool, perform_initialization: bool = True, de
     time by whoever places their weights (angelgpt.model.deferred; ZeRO-Cache's store). Not with the
     transformer-engine spec.
 
-    On CPU every TP and PP layout starts from the same weights: each TP shard is cut from full weights
-    drawn on one RNG stream, each layer's stream is seeded by its global number, and the last stage's
-    copy of tied embeddings is the first stage's (Megatron's all-reduce, its `.cuda()` kept on the CPU);
-    the CPU RNG is then reseeded alike on every rank."""
-    from contextlib import nullcontext
-
+    Every TP and PP layout, and a deferred build as an ordinary one, starts from the same weights (on
+    the CPU and, drawn by the GPU's generator, on a GPU; with the local spec): each TP shard is cut from
+    full weights drawn on one RNG stream, each layer's stream is seeded by its global number, and the
+    last stage's copy of tied embeddings is the first stage's (Megatron's all-reduce, its `.cuda()` kept
+    on the CPU); the RNG is then reseeded alike on every rank."""
     from angelgpt.parallel.cpu_schedules import on_cpu
 
-    with nullcontext() if on_gpu else on_cpu():
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else None
+    with device if on_gpu else on_cpu():  # on a GPU the full weights are drawn there
         model = _gpt_model(cfg, on_gpu, perform_initialization, defer_layers)
-    if not on_gpu:
-        torch.manual_seed(cfg.train.seed + 1)
+    torch.manual_seed(cfg.train.seed + 1)
     if on_gpu:
-        device = torch.device("cuda", torch.cuda.current_device())
         model._apply(lambda t: t if t.is_meta else t.to(device))  # deferred layers stay on 'meta'
     return model
 

@@ -93,14 +93,6 @@ def per_layer_keys(sharded):
     return sharded
 
 
-def format_metadata(config: dict) -> dict:
-    """The format a checkpoint of this run is saved in (dist_checkpointing's content metadata, Megatron's
-    names): the distributed optimizer's sharding type, from checkpoint.dist_ckpt_optim_fully_reshardable."""
-    from angelgpt.train.optim import checkpoint_metadata
-
-    return checkpoint_metadata(bool(config.get("checkpoint", {}).get("dist_ckpt_optim_fully_reshardable")))
-
-
 def _module(model):
     """The model whose state is saved: inside Megatron's DDP wrapper (which would prefix every key with
     `module.` on save but load its module's keys), so that every optimizer's checkpoint has the same
@@ -213,7 +205,7 @@ class Saver:
         dist.barrier()
         strategy = PlanningStrategy()
         with optimizer.materialized():
-            metadata = format_metadata(self.config)
+            from angelgpt.train.optim import CHECKPOINT_METADATA as metadata
             dist_checkpointing.save(_state(model, optimizer, scheduler, iteration, consumed, loading=False,
                                            metadata=metadata),
                                     str(tmp), sharded_strategy=strategy, content_metadata=metadata)
@@ -354,7 +346,8 @@ def load(root: str, model, optimizer, scheduler) -> Tuple[int, int]:
         raise ConfigError(f"checkpoint.load: {path} holds Megatron's distributed-optimizer state in the "
                           f"dp_reshardable format, which resumes at another data-parallel size only; it was "
                           f"saved at PP x TP = {saved_layout[0]} x {saved_layout[1]}, this run is {here[0]} x "
-                          f"{here[1]} (save with checkpoint.dist_ckpt_optim_fully_reshardable=true to change them)")
+                          f"{here[1]}; resume at the saved PP and TP (or train on with optim.optimizer=zero_cache, "
+                          f"whose checkpoints reshard at any layout)")
     with optimizer.materialized():
         request = _state(model, optimizer, scheduler, 0, 0, loading=True, saved_layout=saved_layout,
                          metadata=metadata)

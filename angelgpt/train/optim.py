@@ -165,7 +165,7 @@ class MegatronDistributedOptimizer(Optimizer):
 
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, metadata=None):
         """Megatron's distributed-optimizer state in the format `metadata` names (Megatron's
-        `distrib_optim_sharding_type`: `dp_reshardable` unless the checkpoint says otherwise; Megatron's
+        `distrib_optim_sharding_type`: `dp_reshardable` unless the checkpoint says otherwise; megatron-core's
         own default, `fully_sharded_model_space`, is deprecated and refuses the model's tensors)."""
         if is_loading and self.offloaded:
             raise ConfigError("checkpoint.load: optim.optimizer 'megatron_cpu_offload' cannot resume its "
@@ -187,14 +187,12 @@ class MegatronDistributedOptimizer(Optimizer):
         self.inner.load_state_dict(state)
 
 
-DP_RESHARDABLE, FULLY_RESHARDABLE = "dp_reshardable", "fully_reshardable"
-
-
-def checkpoint_metadata(fully_reshardable: bool) -> dict:
-    """What a checkpoint records of its format (dist_checkpointing's content metadata), as Megatron's
-    training loop names it: the distributed optimizer's sharding type and the chained optimizer's keys."""
-    return {"distrib_optim_sharding_type": FULLY_RESHARDABLE if fully_reshardable else DP_RESHARDABLE,
-            "chained_optim_avoid_prefix": True}
+DP_RESHARDABLE = "dp_reshardable"
+# what a checkpoint records of its format (dist_checkpointing's content metadata), as Megatron's training
+# loop names it: the distributed optimizer's sharding type (dp_reshardable, Megatron's default: each rank
+# writes its own bucket shard; the checkpoint resumes at another data-parallel size, the same TP and PP;
+# megatron-core 0.16's fully_reshardable does not load into torch's AdamW, whose states carry 'step')
+CHECKPOINT_METADATA = {"distrib_optim_sharding_type": DP_RESHARDABLE, "chained_optim_avoid_prefix": True}
 
 
 def build_megatron_optimizer(model, cfg: Config) -> MegatronDistributedOptimizer:
