@@ -46,14 +46,14 @@ def _summary(cfg) -> dict:
 @presets_app.command("list")
 def presets_list() -> None:
     """One line per preset: name, layers x hidden, heads, parameters."""
-    from angelgpt.model.flops import num_params
+    from angelgpt.model.flops import format_params, num_params
 
     print(f"{'preset':<10} {'layers':>6} {'hidden':>6} {'heads':>5} {'seq':>5} {'params':>9}  optimizer")
     for name in preset_names():
         cfg = resolve(name)
         m = cfg.model
         print(f"{name:<10} {m.num_layers:>6} {m.hidden_size:>6} {m.num_attention_heads:>5} {m.seq_length:>5} "
-              f"{num_params(cfg) / 1e9:>8.3f}B  {cfg.optim.optimizer}")
+              f"{format_params(num_params(cfg)):>9}  {cfg.optim.optimizer}")
 
 
 @presets_app.command("show")
@@ -256,6 +256,10 @@ def train(
     dp = cfg.data_parallel_size(nproc_per_node * nnodes)
     cfg.check_device(on_gpu)
     cfg.data.check_files()
+    if not cfg.data.is_mock:  # the tokenizer's vocabulary against the model's, before anything is launched
+        from angelgpt.data.tokenizer import check_vocabulary, load_tokenizer
+
+        check_vocabulary(load_tokenizer(cfg.data.tokenizer), cfg)
     if not on_gpu and "train.device=cpu" not in extra:
         extra.append("train.device=cpu")
     rehearsal_only = [name for name, value in (("--rehearse-rank", rehearse_rank), ("--rehearse-report",
@@ -319,14 +323,17 @@ def _launch(cfg, size, config, extra, on_gpu: bool, gpu_here: bool, target, dp: 
         _check_plan(planned, force)
     if dry_run:
         return
-    from angelgpt.train.worker import MACHINE_ENV, RESOLVED_ENV
+    from angelgpt.train.worker import RUN_CONFIG_ENV
 
     env = launch.worker_env(on_gpu, rdzv.nproc_per_node, cfg.optim.optimizer)
-    env[MACHINE_ENV], env[RESOLVED_ENV] = machine.to_json(), resolved  # the workers resolve as the launcher did
     warning = launch.queue_warning(env, on_gpu, cfg.optim.optimizer)
     if warning:
         print(warning, file=sys.stderr, flush=True)
-    rc, why = launch.run(cmd, env)
+    # the workers build from the config resolved here, written beside the run (checkpoint.save, else a
+    # directory of its own that goes with the run)
+    with launch.run_config_file(cfg, machine, cmd) as path:
+        env[RUN_CONFIG_ENV] = str(path)
+        rc, why = launch.run(cmd, env)
     if rc == 2:
         raise SystemExit(2)
     if rc != 0:
@@ -368,7 +375,7 @@ def generate_command(
     seed: int = typer.Option(1234, "--seed"),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
     iteration: Optional[int] = typer.Option(None, "--iteration", help="checkpoint iteration (default: latest)"),
-    as_json: bool = typer.Option(False, "--json", help='print {"prompt_ids", "new_ids", "text"}'),
+    as_json: bool = typer.Option(False, "--json", help='print {"prompt_ids", "new_ids", "text", "stop_reason"}'),
 ) -> None:
     """Continue a prompt with a checkpoint (angelgpt's GPT, one process) or an exported model."""
     from angelgpt.export import quiet

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import signal
 import subprocess
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import List, Optional, Tuple
 
 from angelgpt.train.lifetime import LAUNCHER_PID_ENV, agent_preexec
@@ -61,6 +63,42 @@ def queue_warning(env: dict, on_gpu: bool, optimizer: str) -> Optional[str]:
         return ("angelgpt: warning: CUDA_DEVICE_MAX_CONNECTIONS=1 gives ZeRO-Cache one hardware work queue, so "
                 "its transfer streams' waits hold up the compute queued behind them; unset it")
     return None
+
+
+RUN_CONFIG = "run-config.yaml"
+
+
+@contextlib.contextmanager
+def run_config_file(cfg, machine, cmd: List[str]):
+    """The resolved config (every 'auto' a value) as the YAML file the workers build from, with the
+    machine reading it was resolved for and the command line as comments above it: RUN_CONFIG in
+    checkpoint.save (kept with the checkpoints), else in a temporary directory removed after the run.
+    Written to a temporary name and renamed, so a reader never sees half a file."""
+    import tempfile
+
+    import yaml
+
+    from angelgpt.config import to_dict
+
+    own = None if cfg.checkpoint.save else tempfile.mkdtemp(prefix="angelgpt-run-")
+    folder = Path(cfg.checkpoint.save or own)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / RUN_CONFIG
+    text = (f"# the config `angelgpt train` resolved, which its workers build from\n"
+            f"# command: {' '.join(shlex.quote(a) for a in sys.argv)}\n"
+            f"# workers: {format_command(cmd)}\n"
+            f"# machine reading: {machine.to_json() if machine is not None else 'none'}\n"
+            + yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    tmp = path.with_name(f".{RUN_CONFIG}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+    try:
+        yield path
+    finally:
+        if own is not None:
+            import shutil
+
+            shutil.rmtree(own, ignore_errors=True)
 
 
 def format_command(cmd: List[str]) -> str:

@@ -342,7 +342,6 @@ def rehearse(cfg, size: Optional[str], config: Optional[str], extra: List[str], 
     from angelgpt.planner.plan import CUDA_CONTEXT
     from angelgpt.train.lifetime import agent_preexec
     from angelgpt.train.rehearse import REHEARSE_ENV
-    from angelgpt.train.worker import MACHINE_ENV, RESOLVED_ENV
     from angelgpt.zero_cache.tiers import mem_available_bytes
 
     if machine is not None and machine not in MACHINES:
@@ -430,9 +429,8 @@ def rehearse(cfg, size: Optional[str], config: Optional[str], extra: List[str], 
             env = rank_env(on_gpu, cfg.optim.optimizer)
             env.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank % nproc_per_node),
                         "LOCAL_WORLD_SIZE": str(nproc_per_node), "GROUP_RANK": str(rank // nproc_per_node),
-                        MACHINE_ENV: hw.to_json(), RESOLVED_ENV: line,
                         REHEARSE_ENV: json.dumps({"rank": rank, "world_size": world, "gpu_cap_bytes": gpu_cap,
-                                                  "report": path})})
+                                                  "report": path, "machine": hw.to_json()})})
             limit, budget, why = host_budget(share_bytes, source, on_gpu, int(hw.gpu_mem_gib * GIB),
                                              mem_available_bytes())
             proc = run_within_host_budget(cmd, limit, env=env, preexec_fn=agent_preexec())

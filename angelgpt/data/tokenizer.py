@@ -140,6 +140,13 @@ def load_tokenizer(spec: Optional[str]):
                           f"tokenizer available offline") from None
 
 
+def check_vocabulary(tokenizer, cfg) -> None:
+    """Refuses a model whose vocabulary (padded) is smaller than the tokenizer's."""
+    if tokenizer.vocab_size > cfg.padded_vocab_size():
+        raise ConfigError(f"tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size is "
+                          f"{cfg.model.vocab_size}; set model.vocab_size={tokenizer.vocab_size}")
+
+
 def train_tokenizer(inputs: List[str], output: str, vocab_size: int = 32000, model_type: str = "unigram",
                     input_sentence_size: int = 2_000_000, text_key: str = "text",
                     progress: Optional[bool] = None) -> dict:

@@ -14,6 +14,7 @@ iteration and the run's config). The checkpoint is read tensor by tensor (checkp
 each tensor is written as it is converted (safetensors_writer.py); no model is built and no process
 group is made. Everything goes to ``OUTPUT.tmp-XXXX`` beside OUTPUT, renamed to OUTPUT only once
 complete: a failure or a signal leaves no OUTPUT behind (and removes the temporary directory).
+OUTPUT gets the mode of any new directory (0777 less the umask), not mkdtemp's private 0700.
 Progress: a bar over the tensors on stderr when it is a terminal (ANGELGPT_PROGRESS=1 forces it).
 """
 
@@ -34,6 +35,13 @@ from angelgpt.config import ConfigError
 
 DTYPE_NAMES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 PROVENANCE = "angelgpt.json"
+
+
+def umask() -> int:
+    """The process umask (read by setting it and putting it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def parse_dtype(name: Optional[str]) -> Optional[torch.dtype]:
@@ -62,6 +70,7 @@ def staged_directory(output: Path, overwrite: bool):
     try:
         parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f"{output.name}.tmp-", dir=parent))
+        tmp.chmod(0o777 & ~umask())  # mkdtemp makes it 0700: readable by others like any other output
     except OSError as exc:
         raise ConfigError(f"--output {output}: cannot write in {parent}: {exc.strerror or exc}") from None
     previous = signal.getsignal(signal.SIGTERM)

@@ -14,8 +14,10 @@ Generation stops at the end-of-document token or at the model's context (seq_len
 angelgpt's own model recomputes the whole sequence at each step (no KV cache): fine for checking a
 model, slow for long outputs.
 
-Prints the prompt and its continuation (text, or ids for mock data); --json prints
-{"prompt_ids", "new_ids", "text"}.
+Prints the prompt and its continuation (text, or ids for mock data) and, on stderr, one line saying why it
+stopped; --json prints {"prompt_ids", "new_ids", "text", "stop_reason"}, stop_reason being "eod" (the
+end-of-document token), "max_new_tokens" (--max-new-tokens reached) or "context" (the model's context
+reached first).
 """
 
 from __future__ import annotations
@@ -54,6 +56,18 @@ def pick(logits: torch.Tensor, temperature: float, top_k: Optional[int], generat
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+
+
+STOP_NOTES = {"eod": "the end-of-document token", "max_new_tokens": "--max-new-tokens reached",
+              "context": "the model's context reached"}
+
+
+def stop_reason(new: List[int], eod_ids, budget: int, max_new: int) -> str:
+    """Why generation stopped: "eod", "max_new_tokens" or "context" (budget: the new tokens allowed,
+    max_new less what the context leaves out)."""
+    if new and new[-1] in eod_ids:
+        return "eod"
+    return "max_new_tokens" if budget == max_new else "context"
 
 
 def _budget(prompt_len: int, max_new: int, context: int) -> int:
@@ -101,7 +115,7 @@ def generate_checkpoint(load: str, prompt: str, max_new: int, temperature: float
         n = _budget(len(ids), max_new, cfg.model.seq_length)
         new = sample_local(model, ids, n, temperature, top_k, seed, eod, next(model.parameters()).device)
     text = tokenizer.detokenize(ids + new) if tokenizer is not None else " ".join(map(str, ids + new))
-    return {"prompt_ids": ids, "new_ids": new, "text": text}
+    return {"prompt_ids": ids, "new_ids": new, "text": text, "stop_reason": stop_reason(new, {eod}, n, max_new)}
 
 
 @torch.no_grad()
@@ -132,7 +146,8 @@ def generate_hf(load: str, prompt: str, max_new: int, temperature: float, top_k:
                          max_new_tokens=n, eos_token_id=eos, pad_token_id=eos, **sampling)
     new = out[0, len(ids):].tolist()
     text = tokenizer.decode(ids + new) if tokenizer is not None else " ".join(map(str, ids + new))
-    return {"prompt_ids": ids, "new_ids": new, "text": text}
+    eos_ids = set(eos) if isinstance(eos, (list, tuple)) else {eos}
+    return {"prompt_ids": ids, "new_ids": new, "text": text, "stop_reason": stop_reason(new, eos_ids, n, max_new)}
 
 
 def generate(load: str, prompt: str, max_new_tokens: int = 50, temperature: float = 1.0,
@@ -158,4 +173,9 @@ def generate(load: str, prompt: str, max_new_tokens: int = 50, temperature: floa
 
 
 def render(result: dict, as_json: bool) -> str:
-    return json.dumps(result) if as_json else result["text"]
+    """The JSON line, or the text; with the text, why generation stopped goes to stderr as one line."""
+    if as_json:
+        return json.dumps(result)
+    print(f"angelgpt: stopped after {len(result['new_ids'])} new tokens: {STOP_NOTES[result['stop_reason']]}",
+          file=sys.stderr, flush=True)
+    return result["text"]

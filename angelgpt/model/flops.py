@@ -41,6 +41,14 @@ def num_params(cfg: Config) -> int:
     return embedding_params(cfg) + cfg.model.num_layers * params_per_layer(cfg)
 
 
+def format_params(n: int) -> str:
+    """A parameter count in a unit that fits, as the README's Presets table writes it: 0.14M, 124.5M,
+    1.316B, 55.198B."""
+    if n >= 10**9:
+        return f"{n / 1e9:.3f}B"
+    return f"{n / 1e6:.1f}M" if n >= 10**6 else f"{n / 1e6:.2f}M"
+
+
 def layer_forward_flops_per_token(cfg: Config) -> int:
     """Matmul FLOPs of one layer's forward per token; causal attention counts half of the s x s square."""
     h, q, kv, f = _dims(cfg)

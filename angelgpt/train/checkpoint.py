@@ -225,6 +225,8 @@ class Saver:
         # (an asynchronous save a rank wrote synchronously is finalized with the others' all the same)
         event["stall_s"] = time.perf_counter() - started
         self.events.append(event)
+        if not asynchronous:  # an asynchronous one says so once written (_finalize)
+            log.info(f"saved the checkpoint of iteration {iteration} in {final} ({event['stall_s']:.2f} s)")
 
     def _room_for(self, nbytes: int, asynchronous: bool) -> bool:
         """Whether this rank's host memory holds a staged copy of nbytes; else the save is written from

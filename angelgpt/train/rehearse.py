@@ -11,7 +11,7 @@ error); ZeRO-Cache's host budget is the target node's host memory per GPU (zero_
 by the launcher). It writes what it measured as JSON to the report path and exits 0 when the rank ran,
 2 when it ran out of memory (or its input was refused), 1 on any other failure.
 
-    ANGELGPT_REHEARSE='{"rank": 4, "world_size": 8, "report": "r4.json"}' \\
+    ANGELGPT_REHEARSE='{"rank": 4, "world_size": 8, "report": "r4.json", "machine": MACHINE_JSON}' \\
         python -m angelgpt.train.rehearse --size tiny train.device=cpu ...
 """
 
@@ -82,18 +82,19 @@ def main(argv=None) -> int:
     import torch
 
     from angelgpt import parallel
-    from angelgpt.config import ConfigError, resolve
-    from angelgpt.train.worker import _args, make_trainer
+    from angelgpt.config import ConfigError, from_argv
+    from angelgpt.planner import Machine
+    from angelgpt.train.worker import make_trainer
 
     settings = json.loads(os.environ[REHEARSE_ENV])
-    args = _args(sys.argv[1:] if argv is None else argv)
     report = {"rank": settings["rank"], "fits": False, "ran_out": None, "error": None}
     trainer, on_gpu, rc = None, False, 0
     try:
-        cfg = resolve(args.size, args.config, args.overrides)
+        cfg = from_argv(sys.argv[1:] if argv is None else argv)
         on_gpu = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
         r = parallel.Rehearsal(settings["rank"], settings["world_size"], settings.get("gpu_cap_bytes"))
-        trainer = make_trainer(cfg, r)
+        machine = Machine.from_json(settings["machine"]) if settings.get("machine") else None
+        trainer = make_trainer(cfg, r, machine=machine)
         from megatron.core import parallel_state
 
         report["coordinates"] = {"tp_rank": parallel_state.get_tensor_model_parallel_rank(),

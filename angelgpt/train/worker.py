@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import sys
@@ -15,18 +14,8 @@ from angelgpt.parallel.log import get_logger, setup_logging
 
 log = get_logger(__name__)
 
-
-def _args(argv):
-    parser = argparse.ArgumentParser(prog="angelgpt.train.worker")
-    parser.add_argument("--size", default=None)
-    parser.add_argument("--config", default=None)
-    parser.add_argument("overrides", nargs="*")
-    return parser.parse_args(argv)
-
-
-# set by `angelgpt train`: the machine reading it resolved 'auto' with (JSON), and the line it printed
-MACHINE_ENV = "ANGELGPT_MACHINE"
-RESOLVED_ENV = "ANGELGPT_RESOLVED"
+# set by `angelgpt train`: the run's config file, every 'auto' resolved once by the launcher
+RUN_CONFIG_ENV = "ANGELGPT_RUN_CONFIG"
 
 
 def build(cfg, on_gpu: bool, beside_store_bytes: int = 0):
@@ -68,51 +57,47 @@ def build(cfg, on_gpu: bool, beside_store_bytes: int = 0):
     return model, optimizer, build_scheduler(optimizer, cfg)
 
 
-def resolve_once(cfg, on_gpu: bool):
-    """The config with every 'auto' made concrete, once, by rank 0 (host memory differs a little from
-    rank to rank); every rank follows. Launched by `angelgpt train`, it resolves from the launcher's
-    machine reading, so it settles what the launcher printed (and says so if it did not); launched by
-    torchrun alone, from its own reading, and prints what it settled. A rehearsal (one rank alone, no
-    other rank to broadcast from) resolves locally from the target machine the launcher hands it."""
+def resolve_here(cfg, on_gpu: bool, machine=None):
+    """For a worker that was given no resolved config (started by torchrun alone, or a rehearsed rank):
+    every 'auto' made concrete once, by rank 0 from its own machine reading (host memory differs a
+    little from rank to rank), every rank following, the choice printed. A rehearsal (one rank alone,
+    no other rank to broadcast from) resolves locally, for the target `machine` the launcher hands it."""
     import torch.distributed as dist
 
     from angelgpt import parallel
-    from angelgpt.planner import Machine, read_this_machine, resolve_config, resolved_line
+    from angelgpt.planner import read_this_machine, resolve_config, resolved_line
 
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     nodes = max(1, dist.get_world_size() // local)
     choice = [None]
     alone = parallel.rehearsal() is not None
     if dist.get_rank() == 0 or alone:
-        reading = os.environ.get(MACHINE_ENV)
-        machine = Machine.from_json(reading) if reading else read_this_machine(cfg.zero_cache, local)
-        resolved, _ = resolve_config(cfg, machine, local, nodes, on_gpu)
-        line, launcher_line = resolved_line(cfg, resolved), os.environ.get(RESOLVED_ENV)
-        if launcher_line is None and line:
+        resolved, _ = resolve_config(cfg, machine or read_this_machine(cfg.zero_cache, local), local, nodes, on_gpu)
+        line = resolved_line(cfg, resolved)
+        if line and not alone:
             log.info(line)
-        elif launcher_line is not None and line != launcher_line:
-            log.warning(f"the workers resolved 'auto' differently from the launcher: {line}")
         choice = [resolved]
     if not alone:
         dist.broadcast_object_list(choice, src=0)
     return choice[0]
 
 
-def run(cfg, shared=None) -> float:
-    return make_trainer(cfg, shared=shared).train()
+def run(cfg, resolved: bool = False, shared=None) -> float:
+    return make_trainer(cfg, resolved=resolved, shared=shared).train()
 
 
-def make_trainer(cfg, rehearse=None, shared=None):
-    """This rank's Trainer, everything built and resumed, ready to train(). `rehearse`
-    (parallel.Rehearsal): play that rank of its world alone, under the fake process group; `shared`
-    (parallel.SharedDevice): every rank on one GPU under gloo (tests)."""
+def make_trainer(cfg, rehearse=None, shared=None, resolved: bool = False, machine=None):
+    """This rank's Trainer, everything built and resumed, ready to train(). `resolved`: `cfg` has no
+    'auto' left (the launcher's run config), else it is resolved here (`resolve_here`, for `machine`
+    where given). `rehearse` (parallel.Rehearsal): play that rank of its world alone, under the fake
+    process group; `shared` (parallel.SharedDevice): every rank on one GPU under gloo (tests)."""
     import torch
     from megatron.core import parallel_state
 
     from angelgpt import parallel
     from angelgpt.config import ConfigError
     from angelgpt.data.dataset import build_datasets
-    from angelgpt.data.tokenizer import MockTokenizer, load_tokenizer
+    from angelgpt.data.tokenizer import MockTokenizer, check_vocabulary, load_tokenizer
     from angelgpt.planner import beside_store_bytes
     from angelgpt.train.loop import Trainer, install_signal_handlers
 
@@ -127,7 +112,15 @@ def make_trainer(cfg, rehearse=None, shared=None):
     parallel.initialize(cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size, on_gpu,
                         cfg.parallel.distributed_timeout_minutes, rehearse, shared)
     setup_logging()
-    cfg = resolve_once(cfg, on_gpu)
+    if not resolved:
+        cfg = resolve_here(cfg, on_gpu, machine)
+    elif int(os.environ.get("WORLD_SIZE", "1")) > int(os.environ.get("LOCAL_WORLD_SIZE", "1")):
+        import torch.distributed as dist
+
+        # several nodes, a launcher each: every rank builds from node 0's resolution
+        choice = [cfg]
+        dist.broadcast_object_list(choice, src=0)
+        cfg = choice[0]
     torch.manual_seed(cfg.train.seed)
     if on_gpu:
         from megatron.core import tensor_parallel
@@ -137,9 +130,7 @@ def make_trainer(cfg, rehearse=None, shared=None):
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
 
     tokenizer = MockTokenizer(cfg.model.vocab_size) if cfg.data.is_mock else load_tokenizer(cfg.data.tokenizer)
-    if tokenizer.vocab_size > cfg.padded_vocab_size():
-        raise ConfigError(f"tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size is "
-                          f"{cfg.model.vocab_size}; set model.vocab_size={tokenizer.vocab_size}")
+    check_vocabulary(tokenizer, cfg)
     reserve = beside_store_bytes(cfg, cfg.data_parallel_size(world),
                                  parallel_state.get_pipeline_model_parallel_rank())
     model, optimizer, scheduler = build(cfg, on_gpu, reserve if on_gpu else 0)
@@ -161,18 +152,20 @@ def make_trainer(cfg, rehearse=None, shared=None):
 
 
 def main(argv=None, shared=None) -> int:
-    """The worker's entry; `shared` (parallel.SharedDevice) puts every rank on one GPU (tests)."""
+    """The worker's entry: the run config the launcher wrote (ANGELGPT_RUN_CONFIG), else the config its
+    command line gives (`--size`, `--config`, KEY=VALUE). `shared` (parallel.SharedDevice) puts every
+    rank on one GPU (tests)."""
     from angelgpt.train.lifetime import watch_launcher
 
     watch_launcher()  # a worker of `angelgpt train` ends when the launcher does, SIGKILL included
     warnings.filterwarnings("ignore", category=UserWarning)
     warnings.filterwarnings("ignore", category=FutureWarning)
-    from angelgpt.config import ConfigError, resolve
+    from angelgpt.config import ConfigError, from_argv, resolve
 
-    args = _args(sys.argv[1:] if argv is None else argv)
+    run_config = os.environ.get(RUN_CONFIG_ENV)
     try:
-        cfg = resolve(args.size, args.config, args.overrides)
-        run(cfg, shared)
+        cfg = resolve(None, run_config) if run_config else from_argv(sys.argv[1:] if argv is None else argv)
+        run(cfg, resolved=bool(run_config), shared=shared)
     except ConfigError as exc:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"angelgpt: error: {exc}", file=sys.stderr, flush=True)

@@ -146,6 +146,7 @@ def test_greedy_generate_equals_transformers(megatron_tp2, tmp_path):
     assert proc.returncode == 0, proc.stderr
     ours = json.loads(proc.stdout)
     assert ours["prompt_ids"] == prompt and len(ours["new_ids"]) == 12
+    assert ours["stop_reason"] == ("eod" if ours["new_ids"][-1] == 511 else "max_new_tokens")
     assert ours["text"] == " ".join(map(str, prompt + ours["new_ids"]))
     model = GPT2LMHeadModel.from_pretrained(out).eval()
     theirs = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, 4, dtype=torch.long),
@@ -156,6 +157,11 @@ def test_greedy_generate_equals_transformers(megatron_tp2, tmp_path):
                                     "--top-k", "20", "--max-new-tokens", "6", "--seed", "7", "--json").stdout)
              for _ in range(2)]
     assert again[0] == again[1]
+    # text mode: the text on stdout, why it stopped on stderr
+    text = run_cli_in_process("generate", "--load", megatron_tp2.ck, "--prompt", "5 17", "--temperature", "0",
+                              "--max-new-tokens", "3")
+    assert text.returncode == 0 and text.stdout.startswith("5 17 "), text.stderr
+    assert "angelgpt: stopped after " in text.stderr, text.stderr
 
 
 def test_sentencepiece_run_exports_its_tokenizer(sentencepiece, tmp_path):

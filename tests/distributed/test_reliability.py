@@ -201,6 +201,7 @@ def test_a_failed_save_keeps_the_previous_checkpoint_and_says_why(tmp_path):
                      "checkpoint.save_interval=4", f"checkpoint.save={ck}")
     out, err = proc.communicate(timeout=300)
     assert proc.returncode != 0
+    assert out.count("saved the checkpoint of iteration 4 in ") == 1, out[-3000:]  # one line per save
     lines = [line for line in err.splitlines() if line.startswith("angelgpt: ")]
     assert any("the checkpoint of iteration 8 could not be saved" in line and
                "the latest checkpoint is still iteration 4" in line for line in lines), err[-3000:]

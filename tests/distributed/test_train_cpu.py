@@ -63,9 +63,9 @@ def test_tensorboard_event_files(tmp_path):
 
 
 def test_auto_is_resolved_once_and_the_checkpoint_records_the_resolved_config(tmp_path):
-    """The launcher prints what every 'auto' became; the workers, resolving from the launcher's machine
-    reading, settle the same (they would warn otherwise), and the checkpoint's manifest holds the
-    concrete config."""
+    """The launcher prints what every 'auto' became and writes the concrete config beside the run
+    (checkpoint.save/run-config.yaml), which the workers build from without resolving again; the
+    checkpoint's manifest holds the same concrete config."""
     import json
 
     save = tmp_path / "ck"
@@ -86,3 +86,8 @@ def test_auto_is_resolved_once_and_the_checkpoint_records_the_resolved_config(tm
                 yield where + key
 
     assert list(autos(config)) == [], config
+    import yaml
+
+    run_config = (save / "run-config.yaml").read_text()
+    assert run_config.startswith("# the config `angelgpt train` resolved") and "# machine reading: {" in run_config
+    assert yaml.safe_load(run_config) == config

@@ -13,9 +13,10 @@ from tests.helpers import read_metrics, run_cli, run_cli_in_process
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 ITERS = 300
-# the validation loss at iteration 300 must fall below this; the measured losses are recorded in the
-# result file of scripts/gpu_tests.sh (the test's val_loss_by_iteration property)
-VAL_LOSS_BELOW = 5.0
+# the validation loss at iteration 300 must fall below this: 3.99 was measured on the H200 at eb01ed1
+# (a calibration run), 4.1 leaves room; every run's losses are recorded in the result file of
+# scripts/gpu_tests.sh (the test's val_loss_by_iteration property)
+VAL_LOSS_BELOW = 4.1
 
 
 def test_shakespeare_trains_saves_and_evaluates_on_gpu(corpus, tmp_path, record_property):

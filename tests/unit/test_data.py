@@ -114,3 +114,15 @@ def test_tokenizer_train_bad_input(tmp_path):
     (tmp_path / "a.txt").write_text("abc\n")
     check_one_line_error(run_cli("tokenizer", "train", "--input", tmp_path / "a.txt", "--output", tmp_path / "t",
                                  "--model-type", "wordpiece"), "--model-type must be 'bpe' or 'unigram'")
+
+
+def test_a_vocabulary_smaller_than_the_tokenizers_is_refused_before_launch(tokenizer, corpus, tmp_path):
+    """model.vocab_size below the tokenizer's 1024 pieces: refused by the launcher in one line (in a dry
+    run too), before any worker starts."""
+    from angelgpt.data.prepare import prepare
+    from tests.helpers import run_cli_in_process
+
+    data = prepare(str(corpus), str(tokenizer), str(tmp_path / "shk"), append_eod=True, progress=False)
+    proc = run_cli_in_process("train", "--size", "tiny", "--device", "cpu", "--dry-run", f"data.paths={data.prefix}",
+                              f"data.tokenizer={tokenizer}", "model.vocab_size=512")
+    check_one_line_error(proc, "tokenizer has 1024 tokens but model.vocab_size is 512")

@@ -4,7 +4,7 @@ that will run the job, so a GPU job's dry run prints its config and torchrun com
 
 import pytest
 
-from tests.helpers import check_one_line_error, run_cli
+from tests.helpers import check_one_line_error, run_cli_in_process as run_cli
 
 JOB = ("train", "--size", "55", "--nproc-per-node", "8", "--dry-run")
 

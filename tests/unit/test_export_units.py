@@ -1,6 +1,6 @@
 """angelgpt export's pieces without a checkpoint: the qkv reordering against Megatron's own split, the
 streaming safetensors writer against the safetensors library, sizes, and the staged output directory
-that leaves nothing behind on failure or SIGTERM."""
+that leaves nothing behind on failure or SIGTERM, and why generate stopped."""
 
 import json
 import os
@@ -11,6 +11,7 @@ import torch
 
 from angelgpt.config import ConfigError
 from angelgpt.export.export import staged_directory
+from angelgpt.export.generate import render, sample_local, stop_reason
 from angelgpt.export.gpt2 import qkv_to_gpt2
 from angelgpt.export.safetensors_writer import INDEX, SINGLE, parse_size, write_safetensors
 
@@ -122,3 +123,49 @@ def test_staged_directory_leaves_nothing_on_failure_or_sigterm(tmp_path):
     with pytest.raises(ConfigError, match="is a file"):
         with staged_directory(tmp_path / "file" / "hf", overwrite=False):
             pass
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o027, 0o077], ids=oct)
+def test_staged_directory_mode_follows_the_umask(tmp_path, mask):
+    """The output is readable as any other new directory and file (0777 / 0666 less the umask), not
+    mkdtemp's private 0700."""
+    out = tmp_path / "hf"
+    previous = os.umask(mask)
+    try:
+        with staged_directory(out, overwrite=False) as tmp:
+            (tmp / "config.json").write_text("{}")
+    finally:
+        os.umask(previous)
+    assert out.stat().st_mode & 0o777 == 0o777 & ~mask
+    assert (out / "config.json").stat().st_mode & 0o777 == 0o666 & ~mask
+
+
+class _Fixed(torch.nn.Module):
+    """A "model" whose next token after any sequence is script[len(sequence)]."""
+
+    def __init__(self, script):
+        super().__init__()
+        self.script = script
+
+    def forward(self, tokens, position_ids, mask):
+        logits = torch.zeros(1, tokens.shape[1], 10)
+        logits[0, -1, self.script[tokens.shape[1]]] = 1.0
+        return logits
+
+
+def test_generate_says_why_it_stopped(capsys):
+    model = _Fixed([0, 0, 3, 4, 9, 5, 6])  # prompt of 2, then 3 4 9(eod) ...
+    new = sample_local(model, [1, 2], 5, 0.0, None, 0, 9, "cpu")
+    assert new == [3, 4, 9] and stop_reason(new, {9}, 5, 5) == "eod"
+    new = sample_local(model, [1, 2], 2, 0.0, None, 0, 9, "cpu")
+    assert new == [3, 4] and stop_reason(new, {9}, 2, 2) == "max_new_tokens"
+    assert stop_reason(new, {9}, 2, 50) == "context"  # the context allowed 2 of the 50 asked for
+    assert stop_reason([9], {None}, 1, 1) == "max_new_tokens"  # a model without an end-of-document id
+
+    result = {"prompt_ids": [1, 2], "new_ids": [3, 4, 9], "text": "1 2 3 4 9", "stop_reason": "eod"}
+    assert json.loads(render(result, as_json=True))["stop_reason"] == "eod"
+    assert capsys.readouterr().err == ""
+    assert render(result, as_json=False) == "1 2 3 4 9"
+    assert capsys.readouterr().err == "angelgpt: stopped after 3 new tokens: the end-of-document token\n"
+    assert render(dict(result, stop_reason="max_new_tokens"), as_json=False) == "1 2 3 4 9"
+    assert capsys.readouterr().err == "angelgpt: stopped after 3 new tokens: --max-new-tokens reached\n"

@@ -6,9 +6,9 @@ import json
 import pytest
 import torch
 
-from angelgpt.config import resolve
-from angelgpt.model.flops import num_params
-from tests.helpers import run_cli
+from angelgpt.config import preset_names, resolve
+from angelgpt.model.flops import format_params, num_params
+from tests.helpers import ROOT, run_cli
 
 SEED = {  # the reference shapes, micro batches, sequence and rates; the parallel layout is the preset's choice
     "28": dict(num_layers=26, hidden_size=8192, num_attention_heads=128, ffn_hidden_size=32768, kv_channels=128,
@@ -82,3 +82,28 @@ def test_presets_list_names_every_preset():
     assert proc.returncode == 0
     for name in ("tiny", "125m", "1.3b", "28", "55", "h200-5b", "h200-16b", "custom"):
         assert any(line.split()[0] == name for line in proc.stdout.splitlines()[1:]), name
+    rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines()[1:]}
+    assert rows["tiny"][5] == "0.14M" and rows["125m"][5] == "124.5M" and rows["55"][5] == "55.198B"
+
+
+def test_format_params():
+    assert [format_params(n) for n in (136_960, 3_327_744, 124_475_904, 1_315_819_520, 55_198_007_296)] == \
+        ["0.14M", "3.3M", "124.5M", "1.316B", "55.198B"]
+
+
+def test_readme_presets_table_matches_the_code():
+    """README's Presets table: a row for every preset, its shape and params column as `angelgpt presets
+    list` prints them (the exact count from num_params)."""
+    text = (ROOT / "README.md").read_text().split("## Presets", 1)[1]
+    table = [line for line in text.split("\n\n", 2)[1].splitlines() if line.startswith("| ")]
+    header = [c.strip() for c in table[0].strip("|").split("|")]
+    rows = {r[0]: dict(zip(header, r)) for r in ([c.strip() for c in line.strip("|").split("|")] for line in table[1:])}
+    assert set(rows) == set(preset_names()), sorted(rows)
+    for name in preset_names():
+        if name == "custom":
+            continue
+        cfg, row = resolve(name), rows[name]
+        m = cfg.model
+        assert (row["layers"], row["hidden"], row["heads"].split()[0], row["seq"], row["optimizer"]) == \
+            (str(m.num_layers), str(m.hidden_size), str(m.num_attention_heads), str(m.seq_length), cfg.optim.optimizer), name
+        assert row["params"] == format_params(num_params(cfg)), (name, row["params"], num_params(cfg))
