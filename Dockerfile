@@ -12,6 +12,7 @@ ENV PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
 WORKDIR /opt/angelgpt
 COPY pyproject.toml README.md ./
 COPY angelgpt ./angelgpt
+COPY configs ./configs
 COPY scripts ./scripts
 COPY tests ./tests
 # torch and transformer-engine come with the base image; keep them.

@@ -199,9 +199,8 @@ def train(
     save: Optional[str] = typer.Option(None, "--save", help="checkpoint directory to save into"),
     load: Optional[str] = typer.Option(None, "--load", help="checkpoint directory to resume from"),
     force: bool = typer.Option(False, "--force", help="launch even when the planner says it will not fit"),
-    rehearse: bool = typer.Option(False, "--rehearse", help="rehearse this job's ranks one by one on this machine "
-                                  "(fake collectives), each beside the planner's prediction; exit 2 if one runs out "
-                                  "of the target's memory"),
+    rehearse: bool = typer.Option(False, "--rehearse", help="the same as `angelgpt rehearse`: this job's ranks one "
+                                  "by one on this machine (fake collectives), each beside the planner's prediction"),
     rehearse_rank: Optional[List[int]] = typer.Option(None, "--rehearse-rank", help="rank to rehearse; repeatable "
                                                       "(default: rank 0 of the first, a middle and the last stage)"),
     rehearse_steps: int = typer.Option(3, "--rehearse-steps", help="training steps per rehearsed rank"),
@@ -288,6 +287,34 @@ def train(
     finally:
         if lock is not None:
             lock.release()
+
+
+@app.command("rehearse", context_settings={"allow_extra_args": False})
+def rehearse_command(
+    overrides: Optional[List[str]] = typer.Argument(None, help="KEY=VALUE config overrides (section.field)"),
+    size: Optional[str] = typer.Option(None, "--size", help="preset name (see `angelgpt presets list`)"),
+    config: Optional[str] = typer.Option(None, "--config", help="YAML file layered over the preset"),
+    nproc_per_node: Optional[int] = typer.Option(None, "--nproc-per-node", help="workers per node of the job"),
+    nnodes: int = typer.Option(1, "--nnodes", min=1),
+    device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (this machine's, for the rehearsal)"),
+    machine: Optional[str] = typer.Option(None, "--machine", help="catalogue machine whose figures describe the "
+                                          "target (default: this GPU's)"),
+    gpu_mem: Optional[float] = typer.Option(None, "--gpu-mem", help="GiB per GPU of the target (default: this "
+                                            "GPU's, or --machine's)"),
+    host_mem: Optional[float] = typer.Option(None, "--host-mem", help="GiB of host memory per node of the target "
+                                             "(default: this machine's available, or --machine's)"),
+    rank: Optional[List[int]] = typer.Option(None, "--rank", help="rank to rehearse; repeatable (default: rank 0 "
+                                             "of the first, a middle and the last stage)"),
+    steps: int = typer.Option(3, "--steps", help="training steps per rehearsed rank"),
+    report: Optional[str] = typer.Option(None, "--report", help="JSON report of the rehearsal"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="print the config and the rank's command, run nothing"),
+) -> None:
+    """Rehearse a job's ranks one at a time on this machine (fake collectives), each beside the planner's
+    prediction; exit 2 if one runs out of the target's memory. `angelgpt train --rehearse` is the same."""
+    train(overrides=overrides, size=size, config=config, nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=0,
+          master_addr=None, master_port=None, rdzv_endpoint=None, max_restarts=0, device=device, dry_run=dry_run,
+          metrics_file=None, save=None, load=None, force=False, rehearse=True, rehearse_rank=rank,
+          rehearse_steps=steps, rehearse_report=report, gpu_mem=gpu_mem, host_mem=host_mem, machine=machine)
 
 
 def _launch(cfg, size, config, extra, on_gpu: bool, gpu_here: bool, target, dp: int, dry_run: bool, force: bool,

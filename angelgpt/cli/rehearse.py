@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, replace
 from statistics import median
 from typing import List, Optional
 
-GIB = 1024 ** 3
+from angelgpt.system import GIB, git_commit, mem_available_bytes
 WATCH_INTERVAL_S = 0.2  # how often the launcher reads a rehearsed rank's RSS
 # of this machine's available host memory, what a rehearsed rank may not take: a poll's worth of growth
 # (a rank on the CPU fills GiBs a second) before the kernel's out-of-memory killer would act
@@ -165,7 +165,7 @@ def target_machine(zc, on_gpu: bool, gpus_per_node: int, machine: Optional[str],
     import torch
 
     from angelgpt.planner import describe, machine_from
-    from angelgpt.zero_cache.tiers import mem_available_bytes, nvme_bytes
+    from angelgpt.zero_cache.tiers import nvme_bytes
 
     if on_gpu:
         props = torch.cuda.get_device_properties(0)
@@ -301,28 +301,12 @@ def render_rank(r: dict) -> str:
     return "\n".join(lines)
 
 
-def _commit() -> str:
-    """The angelgpt commit that ran: $ANGELGPT_COMMIT, else TREE/.commit beside the package (a `git archive`
-    tree), else git's HEAD of the checkout, else 'unknown'."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    if os.environ.get("ANGELGPT_COMMIT"):
-        return os.environ["ANGELGPT_COMMIT"]
-    if os.path.isfile(os.path.join(root, ".commit")):
-        return open(os.path.join(root, ".commit")).read().strip()
-    try:
-        return subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True,
-                              timeout=10).stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
 def _this_machine(on_gpu: bool) -> dict:
     """What the rehearsal ran on: GPU name and memory, host memory and CPUs, host name."""
     import platform
 
     import torch
 
-    from angelgpt.zero_cache.tiers import mem_available_bytes
 
     out = {"host": platform.node(), "cpus": os.cpu_count(), "host_mem_available_bytes": mem_available_bytes()}
     if on_gpu:
@@ -342,7 +326,6 @@ def rehearse(cfg, size: Optional[str], config: Optional[str], extra: List[str], 
     from angelgpt.planner.plan import CUDA_CONTEXT
     from angelgpt.train.lifetime import agent_preexec
     from angelgpt.train.rehearse import REHEARSE_ENV
-    from angelgpt.zero_cache.tiers import mem_available_bytes
 
     if machine is not None and machine not in MACHINES:
         raise ConfigError(f"--machine must be one of {', '.join(MACHINES)}, got '{machine}'")
@@ -475,7 +458,7 @@ def rehearse(cfg, size: Optional[str], config: Optional[str], extra: List[str], 
                              "and a rehearsal moves no data"}
     print(f"communication (predicted by the planner for the full job, not measured): {network:.4f} s per step "
           f"of data-parallel collectives exposed beyond compute; TP and PP communication not modelled", flush=True)
-    summary = {"command": launch.format_command(["angelgpt", *sys.argv[1:]]), "commit": _commit(),
+    summary = {"command": launch.format_command(["angelgpt", *sys.argv[1:]]), "commit": git_commit(),
                "rehearsed_on": _this_machine(on_gpu),
                "rehearsal": {"nnodes": nnodes, "nproc_per_node": nproc_per_node, "world_size": world,
                              "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,

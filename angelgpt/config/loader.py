@@ -20,8 +20,17 @@ import yaml
 
 from angelgpt.config.schema import SECTIONS, Config, ConfigError
 
-# package data (pyproject's package-data), so a wheel or a non-editable install carries the presets
-PRESET_DIR = Path(str(importlib.resources.files("angelgpt.config") / "presets"))
+
+def _preset_dir() -> Path:
+    """The presets' folder: the checkout's top-level configs/, which pyproject's package-dir installs as
+    the package angelgpt.configs, so the same lookup finds it in a wheel and in an editable install."""
+    try:
+        return Path(str(importlib.resources.files("angelgpt.configs")))
+    except ModuleNotFoundError:  # a checkout on sys.path but not installed: configs/ beside angelgpt/
+        return Path(__file__).resolve().parents[2] / "configs"
+
+
+PRESET_DIR = _preset_dir()
 CUSTOM = "custom"
 
 

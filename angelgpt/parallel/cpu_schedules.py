@@ -61,23 +61,36 @@ class _CudaToCPU(TorchFunctionMode):
 
 
 _PATCH_LOCK = threading.Lock()
+_PATCH = {"depth": 0, "saved": None}
+
+
+@contextlib.contextmanager
+def cuda_answers_cpu():
+    """While inside, torch.cuda.current_device answers the CPU device and torch.cuda.synchronize does
+    nothing (module attributes, so for the process: the one place angelgpt replaces them). Uses may nest
+    (sequence parallelism inside a CPU pipeline): they share one replacement, which the last to leave
+    restores. The CPU itself, not an index: torch routes a backward pass outside torch function modes,
+    and Megatron's sequence-parallel gathers allocate there with device=torch.cuda.current_device()."""
+    with _PATCH_LOCK:
+        if _PATCH["depth"] == 0:
+            _PATCH["saved"] = torch.cuda.current_device, torch.cuda.synchronize
+            torch.cuda.current_device = lambda: torch.device("cpu")
+            torch.cuda.synchronize = lambda device=None: None
+        _PATCH["depth"] += 1
+    try:
+        yield
+    finally:
+        with _PATCH_LOCK:
+            _PATCH["depth"] -= 1
+            if _PATCH["depth"] == 0:
+                torch.cuda.current_device, torch.cuda.synchronize = _PATCH["saved"]
 
 
 @contextlib.contextmanager
 def on_cpu():
     """CUDA allocations, moves and synchronizes of the code run inside become CPU ones (this thread)."""
-    with _PATCH_LOCK:
-        saved = torch.cuda.current_device, torch.cuda.synchronize
-        # the CPU itself, not an index: torch routes a backward pass outside the mode above, and Megatron's
-        # sequence-parallel gathers allocate there with device=torch.cuda.current_device()
-        torch.cuda.current_device = lambda: torch.device("cpu")
-        torch.cuda.synchronize = lambda device=None: None
-    try:
-        with _CudaToCPU():
-            yield
-    finally:
-        with _PATCH_LOCK:
-            torch.cuda.current_device, torch.cuda.synchronize = saved
+    with cuda_answers_cpu(), _CudaToCPU():
+        yield
 
 
 def check_config(config) -> None:

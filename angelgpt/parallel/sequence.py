@@ -12,7 +12,6 @@ gradient norm counts them once (``param_is_not_tensor_parallel_duplicate``: TP r
 from __future__ import annotations
 
 import contextlib
-import threading
 from typing import Iterable, List
 
 import torch
@@ -45,21 +44,15 @@ def allreduce_sequence_parallel_grads(params: Iterable[torch.nn.Parameter]) -> N
         grad.copy_(summed)
 
 
-_PATCH_LOCK = threading.Lock()
-
-
 @contextlib.contextmanager
 def cpu_sequence_parallel():
     """Runs Megatron's sequence-parallel communication on CPU tensors. Its gathers and reduce-scatters
     along the sequence (tensor_parallel.mappings, the linear layers' backward, its global memory buffer)
     allocate their outputs with ``device=torch.cuda.current_device()``, in forward and in backward; while
-    this is active that answers the CPU device (restored on exit). A patch of the function rather than a
-    torch function mode: torch runs ``backward`` outside the modes that dispatch it."""
-    with _PATCH_LOCK:
-        saved = torch.cuda.current_device
-        torch.cuda.current_device = lambda: torch.device("cpu")
-    try:
+    this is active that answers the CPU device (cpu_schedules.cuda_answers_cpu, restored on exit). A
+    replacement of the function rather than a torch function mode: torch runs ``backward`` outside the
+    modes that dispatch it."""
+    from angelgpt.parallel.cpu_schedules import cuda_answers_cpu
+
+    with cuda_answers_cpu():
         yield
-    finally:
-        with _PATCH_LOCK:
-            torch.cuda.current_device = saved

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
+from angelgpt import parallel
 from angelgpt.config import ConfigError
 from angelgpt.parallel.log import get_logger
 from angelgpt.train.checkpoint_writer import GIB, PlanningStrategy, host_memory_available
@@ -171,12 +172,6 @@ def verify(path: Path) -> Optional[str]:
     return None
 
 
-def _all_ranks(value: bool, device) -> bool:
-    flag = torch.tensor([1.0 if value else 0.0], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
-
-
 class Saver:
     """Saves checkpoints under `root`, at most one in flight. save() writes iter_N.tmp (or, asynchronous,
     stages what this rank writes into host memory and starts a writer thread); finalize() then, on
@@ -205,7 +200,7 @@ class Saver:
         dist.barrier()
         strategy = PlanningStrategy()
         with optimizer.materialized():
-            from angelgpt.train.optim import CHECKPOINT_METADATA as metadata
+            from angelgpt.optimizer.megatron import CHECKPOINT_METADATA as metadata
             dist_checkpointing.save(_state(model, optimizer, scheduler, iteration, consumed, loading=False,
                                            metadata=metadata),
                                     str(tmp), sharded_strategy=strategy, content_metadata=metadata)
@@ -247,7 +242,7 @@ class Saver:
         every rank calls it at the same iteration boundaries)."""
         if self.pending is None:
             return
-        if not blocking and not _all_ranks(self.pending[2].done(), self.device):
+        if not blocking and not parallel.all_ranks(self.pending[2].done(), self.device):
             return
         self._finalize()
 
@@ -310,7 +305,7 @@ def _saved_layout(path: Path) -> Optional[Tuple[int, int]]:
 
 
 def _is_megatrons(optimizer) -> bool:
-    from angelgpt.train.optim import MegatronDistributedOptimizer
+    from angelgpt.optimizer.megatron import MegatronDistributedOptimizer
 
     return isinstance(optimizer, MegatronDistributedOptimizer)
 

@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.utils import _DistWrapper, _get_failure_dict, _wrap_exception
 
-GIB = 1024 ** 3
+from angelgpt.system import GIB, mem_available_bytes
 
 
 class _CRCStream:
@@ -218,7 +218,5 @@ class PlanningStrategy(TorchDistSaveShardedStrategy):
 def host_memory_available() -> int:
     """Bytes of host memory one rank may take for a staged copy: what the node has available, shared by
     its local ranks, which stage at the same time."""
-    import psutil
-
-    return int(psutil.virtual_memory().available * 0.9) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return int(mem_available_bytes() * 0.9) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 

@@ -12,6 +12,8 @@ import threading
 import time
 from typing import Callable, Optional
 
+from angelgpt.system import try_lock
+
 LOCK_NAME = ".angelgpt.lock"
 LAUNCHER_PID_ENV = "ANGELGPT_LAUNCHER_PID"
 _PR_SET_PDEATHSIG = 1
@@ -28,20 +30,15 @@ class RunLock:
     def __init__(self, directory: str):
         self.path = os.path.join(directory, LOCK_NAME)
         self._fd: Optional[int] = None
-        try:
-            import fcntl
-        except ImportError:  # not POSIX: no lock, best effort
-            return
         os.makedirs(directory, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)  # no O_TRUNC: a refused run changes nothing
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        taken = try_lock(fd)
+        if taken is False:
             holder = _holder(fd)
             os.close(fd)
             raise DirectoryInUse(f"checkpoint directory {directory} is in use by another run ({holder}); "
-                                 f"stop it or save elsewhere") from None
-        except OSError:  # a file system without flock (some network mounts): run unlocked
+                                 f"stop it or save elsewhere")
+        if taken is None:  # not POSIX, or a file system without flock (some network mounts): run unlocked
             os.close(fd)
             return
         os.ftruncate(fd, 0)

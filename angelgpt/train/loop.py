@@ -75,12 +75,6 @@ def install_signal_handlers() -> None:
         signal.signal(sig, handler)
 
 
-def all_ranks(value: bool, device) -> bool:
-    flag = torch.tensor([1.0 if value else 0.0], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
-
-
 def stop_requested(device) -> bool:
     """True on every rank once any rank has been signalled."""
     flag = torch.tensor([1.0 if _SIGNALLED["count"] else 0.0], device=device)
@@ -157,7 +151,8 @@ def _host_staged(forward_backward, model):
 
 
 class Trainer:
-    def __init__(self, cfg: Config, model, optimizer: Optimizer, scheduler, train_ds, valid_ds, on_gpu: bool):
+    def __init__(self, cfg: Config, model, optimizer: Optimizer, scheduler, train_ds, valid_ds, on_gpu: bool,
+                 rehearsal: bool = False):
         self.cfg = cfg
         self.model = model
         self.optimizer = optimizer
@@ -192,7 +187,7 @@ class Trainer:
         self.skipped = 0
         # a rehearsal (fake collectives: losses and norms are meaningless, non-finite ones included)
         # neither skips nor aborts on them, and records each iteration's times (device synchronized)
-        self.rehearsal = parallel.rehearsal() is not None
+        self.rehearsal = rehearsal
         self.records: List[dict] = []
         self.saver = None  # checkpoint.Saver of checkpoint.save, made by train()
 
@@ -321,7 +316,7 @@ class Trainer:
             started = self._clock()
             stats = self._run(it, forward_only=False)
             loss = _mean_loss(stats, self.device)
-            loss_ok = self.rehearsal or all_ranks(
+            loss_ok = self.rehearsal or parallel.all_ranks(
                 math.isfinite(loss) or not parallel_state.is_pipeline_last_stage(), self.device)
             backward_done = self._clock()
             if loss_ok:

@@ -15,7 +15,7 @@ import torch
 from angelgpt.parallel.log import EVERY_RANK, get_logger
 
 log = get_logger(__name__)
-GIB = 1024 ** 3
+from angelgpt.system import GIB
 
 
 def host_memory_gib() -> float:

@@ -18,10 +18,13 @@ log = get_logger(__name__)
 RUN_CONFIG_ENV = "ANGELGPT_RUN_CONFIG"
 
 
-def build(cfg, on_gpu: bool, beside_store_bytes: int = 0):
-    """Model, optimizer and scheduler for this rank, from a resolved config (no 'auto' left)."""
+def build(cfg, on_gpu: bool, beside_store_bytes: int = 0, rehearsal: bool = False):
+    """Model, optimizer and scheduler for this rank, from a resolved config (no 'auto' left); `rehearsal`:
+    the rank is played alone under fake collectives (angelgpt.parallel.rehearsal)."""
     from angelgpt.model.gpt import build_gpt
-    from angelgpt.train.optim import CPUDataParallelAdamW, build_megatron_optimizer, build_scheduler
+    from angelgpt.optimizer.cpu import CPUDataParallelAdamW
+    from angelgpt.optimizer.megatron import build_megatron_optimizer
+    from angelgpt.optimizer.schedule import build_scheduler
 
     # ZeRO-Cache on GPU: layers built on the meta device, made real one at a time while its store fills
     # (a rank's full weights need not fit its GPU, only the resident ones and one offloaded layer)
@@ -35,13 +38,14 @@ def build(cfg, on_gpu: bool, beside_store_bytes: int = 0):
     if cfg.optim.optimizer == "zero_cache":
         import torch
 
-        from angelgpt.zero_cache.optimizer import ZeroCacheOptimizer
+        from angelgpt.optimizer.zero_cache import ZeroCacheOptimizer
 
         device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
         from angelgpt.model.deferred import materializer
 
         optimizer = ZeroCacheOptimizer(model, cfg, device, beside_store_bytes,
-                                       materialize=materializer(model, device) if defer else None)
+                                       materialize=materializer(model, device) if defer else None,
+                                       rehearsal=rehearsal)
     elif on_gpu:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed import finalize_model_grads
@@ -51,26 +55,25 @@ def build(cfg, on_gpu: bool, beside_store_bytes: int = 0):
                                                    overlap_grad_reduce=False, use_distributed_optimizer=True)
         model = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
         model.config.finalize_model_grads_func = finalize_model_grads
-        optimizer = build_megatron_optimizer(model, cfg)
+        optimizer = build_megatron_optimizer(model, cfg, gloo_groups=not rehearsal)
     else:
         optimizer = CPUDataParallelAdamW(model, cfg)
     return model, optimizer, build_scheduler(optimizer, cfg)
 
 
-def resolve_here(cfg, on_gpu: bool, machine=None):
+def resolve_here(cfg, on_gpu: bool, machine=None, alone: bool = False):
     """For a worker that was given no resolved config (started by torchrun alone, or a rehearsed rank):
     every 'auto' made concrete once, by rank 0 from its own machine reading (host memory differs a
     little from rank to rank), every rank following, the choice printed. A rehearsal (one rank alone,
-    no other rank to broadcast from) resolves locally, for the target `machine` the launcher hands it."""
+    no other rank to broadcast from: `alone`) resolves locally, for the target `machine` the launcher
+    hands it."""
     import torch.distributed as dist
 
-    from angelgpt import parallel
     from angelgpt.planner import read_this_machine, resolve_config, resolved_line
 
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     nodes = max(1, dist.get_world_size() // local)
     choice = [None]
-    alone = parallel.rehearsal() is not None
     if dist.get_rank() == 0 or alone:
         resolved, _ = resolve_config(cfg, machine or read_this_machine(cfg.zero_cache, local), local, nodes, on_gpu)
         line = resolved_line(cfg, resolved)
@@ -113,7 +116,7 @@ def make_trainer(cfg, rehearse=None, shared=None, resolved: bool = False, machin
                         cfg.parallel.distributed_timeout_minutes, rehearse, shared)
     setup_logging()
     if not resolved:
-        cfg = resolve_here(cfg, on_gpu, machine)
+        cfg = resolve_here(cfg, on_gpu, machine, alone=rehearse is not None)
     elif int(os.environ.get("WORLD_SIZE", "1")) > int(os.environ.get("LOCAL_WORLD_SIZE", "1")):
         import torch.distributed as dist
 
@@ -133,7 +136,7 @@ def make_trainer(cfg, rehearse=None, shared=None, resolved: bool = False, machin
     check_vocabulary(tokenizer, cfg)
     reserve = beside_store_bytes(cfg, cfg.data_parallel_size(world),
                                  parallel_state.get_pipeline_model_parallel_rank())
-    model, optimizer, scheduler = build(cfg, on_gpu, reserve if on_gpu else 0)
+    model, optimizer, scheduler = build(cfg, on_gpu, reserve if on_gpu else 0, rehearsal=rehearse is not None)
     summary = optimizer.summary()
     if summary:
         log.info(summary)
@@ -142,7 +145,7 @@ def make_trainer(cfg, rehearse=None, shared=None, resolved: bool = False, machin
     gb = cfg.train.global_batch_size
     valid_samples = cfg.train.eval_iters * gb if cfg.train.eval_interval else 0
     train_ds, valid_ds = build_datasets(cfg, tokenizer, cfg.train.train_iters * gb, valid_samples)
-    trainer = Trainer(cfg, model, optimizer, scheduler, train_ds, valid_ds, on_gpu)
+    trainer = Trainer(cfg, model, optimizer, scheduler, train_ds, valid_ds, on_gpu, rehearsal=rehearse is not None)
     trainer.maybe_resume()
     log.info(f"training from iteration {trainer.iteration} to {cfg.train.train_iters} "
              f"(DP={parallel_state.get_data_parallel_world_size()}, "

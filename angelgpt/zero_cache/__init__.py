@@ -1,6 +1,6 @@
 """ZeRO-Cache: model states sharded over data-parallel ranks in one store over device, host and NVMe.
 
-``angelgpt.zero_cache.optimizer.ZeroCacheOptimizer`` is the optimizer (the `angelgpt.optimizer.Optimizer`
+``angelgpt.optimizer.zero_cache.ZeroCacheOptimizer`` is the optimizer (the `angelgpt.optimizer.Optimizer`
 contract), built from a resolved config (no 'auto' left) as a front over its parts: ``store`` (chunks,
 placement, allocation, shared buffers), ``weights`` (offloaded weights, DP all-gather, forward hooks),
 ``gradients`` (backward hooks, reduction to the owner, accumulation in the store, the norm),

@@ -13,13 +13,14 @@ import hashlib
 import math
 import os
 import platform
-import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 from typing import Optional, Tuple
 
 import torch
+
+from angelgpt.system import c_compiler
 
 SOURCE = Path(__file__).with_name("cpu_adam.c")
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC", "-pthread"]
@@ -47,7 +48,7 @@ def _cpu_flags() -> str:
 def build(compiler: Optional[str] = None) -> Path:
     """The shared library for this machine: from the cache, else compiled (into a temporary name, then
     renamed, so ranks that build at once never load a half-written file)."""
-    cc = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    cc = compiler or os.environ.get("CC") or c_compiler()  # a named one may not exist: said when it runs
     if not cc:
         raise CpuAdamUnavailable("no C compiler found (set CC)")
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join([cc, *FLAGS, platform.machine(), _cpu_flags()]).encode())

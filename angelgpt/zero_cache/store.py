@@ -26,7 +26,6 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from angelgpt import parallel
 from angelgpt.config import Config, ConfigError
 from angelgpt.optimizer import no_weight_decay
 from angelgpt.parallel.log import EVERY_RANK, get_logger
@@ -42,12 +41,13 @@ log = get_logger(__name__)
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
-def refuse_together(check) -> None:
+def refuse_together(check, alone: bool = False) -> None:
     """Runs a rank's refusal check on every rank: when any refuses, all raise the first refusing rank's
     message (prefixed with its rank), so rank 0 reports it and no rank waits in a collective for one
     that left. Placements differ per rank (an uneven DP partition), so one rank alone may not fit.
-    A rehearsal plays one rank alone: its check raises as it is (a CapacityError keeps what ran short)."""
-    if parallel.rehearsal():
+    `alone` (a rehearsal plays one rank alone): the check raises as it is (a CapacityError keeps what ran
+    short)."""
+    if alone:
         check()
         return
     try:
@@ -111,9 +111,12 @@ class Store:
     ``allocate(release)`` fills the tiers once the weights part exists)."""
 
     def __init__(self, named: List[Tuple[str, torch.nn.Parameter]], cfg: Config, device: torch.device,
-                 beside_store_bytes: int = 0):
+                 beside_store_bytes: int = 0, rehearsal: bool = False):
         zc, o = cfg.zero_cache, cfg.optim
         self.cfg = cfg
+        # a rehearsal: one rank played alone under fake collectives (it refuses alone, and its update
+        # runs whatever the gradient norm, so that its time and memory are measured)
+        self.rehearsal = rehearsal
         self.device = device
         self.beside_store_bytes = beside_store_bytes
         self.offload_params = zc.offload_params
@@ -233,7 +236,7 @@ class Store:
                 streamed = sum(c.numel for c in self.chunks if c.device_update)
                 check_memlock(grad_bytes * off + weight_bytes * own_weights + STATES * 4 * streamed)
 
-        refuse_together(check)
+        refuse_together(check, self.rehearsal)
         self.planned_bytes = needed
 
     def _load_cpu_adam(self, mode: str) -> Optional[CpuAdam]:
@@ -249,7 +252,7 @@ class Store:
             except CpuAdamUnavailable as e:
                 raise ConfigError(f"zero_cache.cpu_adam=native cannot be built: {e}") from e
 
-        refuse_together(load)
+        refuse_together(load, self.rehearsal)
         return kernel
 
     # -- allocation --------------------------------------------------------------------------

@@ -8,7 +8,6 @@ back from) two reusable host staging buffers.
 
 from __future__ import annotations
 
-import fcntl
 import os
 import shutil
 import uuid
@@ -19,29 +18,7 @@ import torch
 
 from angelgpt.config import ConfigError
 
-GIB = 1024 ** 3
-
-
-def mem_available_bytes() -> int:
-    """MemAvailable, capped by a cgroup memory limit when one is set."""
-    available = None
-    try:
-        for line in open("/proc/meminfo"):
-            if line.startswith("MemAvailable:"):
-                available = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
-        try:
-            limit = open(limit_file).read().strip()
-            if limit.isdigit() and int(limit) < (1 << 60):
-                left = int(limit) - int(open(usage_file).read().strip())
-                available = left if available is None else min(available, left)
-        except OSError:
-            continue
-    return available if available is not None else 0
+from angelgpt.system import GIB, mem_available_bytes, try_lock  # noqa: F401 (re-exported for callers)
 
 
 class DeviceTier:
@@ -112,7 +89,7 @@ class NVMeTier:
         building = root / f".{name}"  # locked before it takes a name reclaim() looks at
         building.mkdir()
         self._lock = open(building / self.LOCK, "w")
-        fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        try_lock(self._lock)  # the directory is new: nobody else holds it
         self.dir = root / name
         building.rename(self.dir)
         self.bytes = 0
@@ -132,10 +109,8 @@ class NVMeTier:
             except OSError:
                 continue  # not a tier's directory, or one being removed
             with fh:
-                try:
-                    fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except OSError:
-                    continue  # its run is alive
+                if try_lock(fh) is not True:
+                    continue  # its run is alive (or the lock cannot tell)
                 freed += sum(f.stat().st_blocks * 512 for f in d.iterdir() if f.is_file())
                 shutil.rmtree(d, ignore_errors=True)
         return freed

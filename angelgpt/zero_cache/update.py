@@ -26,7 +26,6 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from angelgpt import parallel
 from angelgpt.optimizer import clip_coefficient
 from angelgpt.zero_cache.placement import DEVICE_UPDATE_SLICE, STATES, slices
 from angelgpt.zero_cache.store import Chunk, Store
@@ -68,8 +67,7 @@ class Update:
             self.streams.h2d.synchronize()  # no fetch still reads a host copy the update will overwrite
         self.profile.exposed("step", time.perf_counter() - t0)
         self.profile.end_iteration()
-        rehearsing = parallel.rehearsal() is not None
-        if not math.isfinite(norm) and not rehearsing:
+        if not math.isfinite(norm) and not self.store.rehearsal:
             self.gradients.zero_grad()
             return False, norm, None
         # a rehearsal's gradients are meaningless (collectives move no data): the update runs whatever the

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 def main():
     out, argv = Path(sys.argv[1]), sys.argv[2:]
-    import angelgpt.train.optim as optim
+    import angelgpt.optimizer.cpu as optim
     import angelgpt.train.worker as worker
     import angelgpt.zero_cache.gradients as zc_gradients
     from angelgpt.parallel.embedding import tied_embedding_weight
@@ -30,8 +30,8 @@ def main():
         zc_gradients.allreduce_tied_embedding_grad = lambda grad: None
     build = worker.build
 
-    def build_and_watch(cfg, on_gpu, beside_store_bytes=0):
-        model, optimizer, scheduler = build(cfg, on_gpu, beside_store_bytes)
+    def build_and_watch(cfg, on_gpu, beside_store_bytes=0, **kwargs):
+        model, optimizer, scheduler = build(cfg, on_gpu, beside_store_bytes, **kwargs)
         weight = tied_embedding_weight(model)
         initial = weight.detach().clone() if weight is not None else None
         close = optimizer.close

@@ -75,8 +75,8 @@ def main():
     from angelgpt import parallel
     from angelgpt.config import resolve
     from angelgpt.model.gpt import build_gpt
-    from angelgpt.train.optim import param_groups
-    from angelgpt.zero_cache.optimizer import ZeroCacheOptimizer
+    from angelgpt.optimizer.cpu import param_groups
+    from angelgpt.optimizer.zero_cache import ZeroCacheOptimizer
 
     micro = int(os.environ.get("ANGELGPT_CHECK_MICROBATCHES", "1"))  # backward passes per step
     dp_size = int(os.environ.get("WORLD_SIZE", "1"))

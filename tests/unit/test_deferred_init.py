@@ -21,7 +21,7 @@ def test_a_deferred_build_holds_no_layer_until_the_store_fills_and_then_equals_t
         megatron_single_rank, offload):
     from angelgpt.model.deferred import materializer
     from angelgpt.model.gpt import build_gpt
-    from angelgpt.zero_cache.optimizer import ZeroCacheOptimizer
+    from angelgpt.optimizer.zero_cache import ZeroCacheOptimizer
 
     cfg = _zero_cache_cfg(f"zero_cache.prefetch_cache_sub_group_rate={0.0 if offload else 1.0}",
                           f"zero_cache.offload_params={str(offload).lower()}", "model.recompute=full")
@@ -72,7 +72,7 @@ def test_the_capacity_check_counts_resident_layers_not_built_yet(megatron_single
     from angelgpt.model.deferred import materializer
     from angelgpt.model.gpt import build_gpt
     from angelgpt.zero_cache import store as store_module
-    from angelgpt.zero_cache.optimizer import ZeroCacheOptimizer
+    from angelgpt.optimizer.zero_cache import ZeroCacheOptimizer
 
     cfg = _zero_cache_cfg("zero_cache.prefetch_cache_sub_group_rate=0.5", "zero_cache.offload_params=true",
                           "model.recompute=full")

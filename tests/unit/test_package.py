@@ -1,11 +1,14 @@
-"""A wheel of the checkout carries the presets: installed outside the checkout, `angelgpt presets`
-lists and shows them with no configs directory beside the package."""
+"""The presets live once, in the checkout's top-level configs/; a wheel carries them as the package
+angelgpt.configs: installed outside the checkout, `angelgpt presets` lists and shows them with no
+configs directory beside the package. The wheel holds every package under angelgpt/ (pyproject lists
+them, since angelgpt.configs is mapped from outside angelgpt/ and discovery would not follow it)."""
 
 import json
 import os
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 from tests.helpers import ROOT
@@ -23,12 +26,19 @@ def test_wheel_carries_presets(tmp_path):
     src.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy2(ROOT / name, src / name)
-    shutil.copytree(ROOT / "angelgpt", src / "angelgpt", ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    for name in ("angelgpt", "configs"):
+        shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
     offline = dict(os.environ, PIP_NO_INDEX="1", PIP_DISABLE_PIP_VERSION_CHECK="1")
     dist = tmp_path / "dist"
     _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(dist), "."],
          cwd=src, env=offline)
     (wheel,) = dist.glob("angelgpt-*.whl")
+    members = set(zipfile.ZipFile(wheel).namelist())
+    presets = sorted(p.name for p in (ROOT / "configs").glob("*.yaml"))
+    assert presets and {f"angelgpt/configs/{name}" for name in presets} <= members, sorted(members)
+    packages = {init.parent.relative_to(ROOT).as_posix() for init in (ROOT / "angelgpt").rglob("__init__.py")}
+    missing = sorted(p for p in packages if f"{p}/__init__.py" not in members)
+    assert not missing, f"packages not in the wheel (add them to pyproject's [tool.setuptools] packages): {missing}"
     site = tmp_path / "site"
     _run([sys.executable, "-m", "pip", "install", "--no-deps", "--target", str(site), str(wheel)],
          cwd=tmp_path, env=offline)
@@ -39,6 +49,10 @@ def test_wheel_carries_presets(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(site), PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     where = _run([sys.executable, "-c", "import angelgpt; print(angelgpt.__file__)"], cwd=work, env=env)
     assert Path(where.strip()).resolve().is_relative_to(site.resolve()), where
+    # the installed package's own copy, not the checkout's configs/ (the editable install maps that)
+    presets_at = _run([sys.executable, "-c", "from angelgpt.config import PRESET_DIR; print(PRESET_DIR)"],
+                      cwd=work, env=env)
+    assert Path(presets_at.strip()).resolve() == (site / "angelgpt" / "configs").resolve(), presets_at
 
     listed = _run([sys.executable, "-m", "angelgpt", "presets", "list"], cwd=work, env=env)
     names = {line.split()[0] for line in listed.splitlines()[1:] if line.strip()}
@@ -47,3 +61,12 @@ def test_wheel_carries_presets(tmp_path):
     shown = json.loads(_run([sys.executable, "-m", "angelgpt", "presets", "show", "55", "--json"],
                             cwd=work, env=env))
     assert shown["config"]["model"]["num_layers"] == 68
+
+
+def test_checkout_presets_are_the_top_level_configs():
+    """From the checkout (an editable install, or the checkout on sys.path) the loader reads configs/."""
+    from angelgpt.config import PRESET_DIR, preset_names
+
+    assert PRESET_DIR.resolve() == (ROOT / "configs").resolve()
+    assert {"tiny", "55", "28"} <= set(preset_names())
+    assert not (ROOT / "angelgpt" / "config" / "presets").exists()  # one copy

@@ -76,7 +76,6 @@ def test_rehearsed_sequence_parallel_reduce_scatter_gives_this_ranks_own_chunk(m
             assert torch.equal(mappings.reduce_scatter_to_sequence_parallel_region(full), full[2:])
     finally:
         parallel.destroy()
-        monkeypatch.setitem(parallel._REHEARSAL, "now", None)
 
 
 
@@ -108,7 +107,6 @@ def test_a_rehearsed_pipeline_receive_yields_values_like_real_ones(monkeypatch):
         assert 0.9 < buffer.std().item() < 1.1 and abs(buffer.mean().item()) < 0.1
     finally:
         parallel.destroy()
-        monkeypatch.setitem(parallel._REHEARSAL, "now", None)
 
 
 def test_a_rehearsed_rank_takes_every_core_unless_told(monkeypatch):
@@ -123,3 +121,19 @@ def test_a_rehearsed_rank_takes_every_core_unless_told(monkeypatch):
     assert rank_env(True, "zero_cache")["OMP_NUM_THREADS"] == "16"
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert rank_env(True, "zero_cache")["OMP_NUM_THREADS"] == "3"
+
+
+def test_rehearse_is_a_command_of_its_own_as_train_rehearse_is():
+    """`angelgpt rehearse` takes the job as `train` does and prints the same rehearsal as
+    `train --rehearse` (a dry run: the config and the rank's command, nothing run)."""
+    from tests.helpers import run_cli_in_process
+
+    job = ["--size", "tiny", "--device", "cpu", "--nproc-per-node", "2", "parallel.tensor_model_parallel_size=2",
+           "--dry-run"]
+    own = run_cli_in_process("rehearse", *job)
+    alias = run_cli_in_process("train", "--rehearse", *job)
+    assert own.returncode == alias.returncode == 0, own.stderr + alias.stderr
+    assert "rehearsal command (one per rank): " in own.stdout
+    assert own.stdout == alias.stdout
+    bad = run_cli_in_process("rehearse", "--size", "tiny", "--device", "cpu", "--steps", "x")
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr

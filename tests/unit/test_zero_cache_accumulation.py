@@ -28,7 +28,7 @@ def accumulate(device, in_store: bool, fp32: bool, micro: int = MICRO, step: boo
     from angelgpt.config import resolve
     from angelgpt.model.gpt import build_gpt
     from angelgpt.planner import MACHINES, resolve_config
-    from angelgpt.zero_cache.optimizer import ZeroCacheOptimizer
+    from angelgpt.optimizer.zero_cache import ZeroCacheOptimizer
 
     cfg = resolve("tiny", overrides=[
         "optim.optimizer=zero_cache", "train.micro_batch_size=2", f"train.global_batch_size={2 * micro}",

@@ -65,7 +65,7 @@ def test_an_unresolved_config_is_refused_naming_the_field(field):
     """Every 'auto' must be made concrete (the planner's resolve_config) before the optimizer is built:
     it takes the values as given and asks the planner nothing."""
     from angelgpt.config import resolve
-    from angelgpt.zero_cache.optimizer import RESOLVED_FIELDS, ZeroCacheOptimizer, require_resolved
+    from angelgpt.optimizer.zero_cache import RESOLVED_FIELDS, ZeroCacheOptimizer, require_resolved
 
     assert field in RESOLVED_FIELDS
     require_resolved(resolve("tiny", overrides=CONCRETE))  # nothing left to resolve

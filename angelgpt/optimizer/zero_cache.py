@@ -49,7 +49,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from angelgpt.config import Config
-from angelgpt.optimizer import Optimizer
+from angelgpt.optimizer.base import Optimizer
 from angelgpt.parallel.embedding import tied_embedding_weight
 from angelgpt.zero_cache.gradients import Gradients
 from angelgpt.zero_cache.state import CheckpointState
@@ -77,15 +77,16 @@ class ZeroCacheOptimizer(Optimizer):
     per_layer_checkpoint_keys = True  # states are per parameter of a layer
 
     def __init__(self, model: torch.nn.Module, cfg: Config, device: torch.device, beside_store_bytes: int = 0,
-                 materialize: Optional[Callable[[List[torch.nn.Parameter]], None]] = None):
+                 materialize: Optional[Callable[[List[torch.nn.Parameter]], None]] = None, rehearsal: bool = False):
         """cfg must be resolved (no 'auto' in RESOLVED_FIELDS). beside_store_bytes: device memory
         training needs beside the store that the optimizer cannot count (activations and workspace);
         the capacity check leaves it free on CUDA. materialize(params): for a model whose layers were
         built on the meta device, makes one sub-group's parameters real (called a sub-group at a time
-        while the store fills, so an offloaded layer leaves the device before the next one arrives)."""
+        while the store fills, so an offloaded layer leaves the device before the next one arrives).
+        rehearsal: this rank is played alone under fake collectives (angelgpt.parallel.rehearsal)."""
         require_resolved(cfg)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self.store = Store(named, cfg, device, beside_store_bytes)  # placed (refused here if it does not fit)
+        self.store = Store(named, cfg, device, beside_store_bytes, rehearsal)  # placed (refused here if it does not fit)
         self.weights = Weights(self.store)
         self.store.allocate(self.weights.release, materialize)
         self.weights.release_offloaded()
