@@ -26,6 +26,12 @@ class Rendezvous:
     max_restarts: int = 0
 
 
+def fail(message: str) -> None:
+    """Bad input: one line on stderr, exit code 2."""
+    print(f"angelgpt: error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
 def torchrun_command(rdzv: Rendezvous, worker_args: List[str]) -> List[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(rdzv.nproc_per_node)]
     if rdzv.rdzv_endpoint:

@@ -1,16 +1,14 @@
-"""scripts/bench_train.py reads why a run completed no step from the run's own output: here the
-launcher's real refusal of a configuration the planner finds short of memory."""
+"""scripts/bench_train.py (benchmarks.train) reads why a run completed no step from the run's own output:
+here the launcher's real refusal of a configuration the planner finds short of memory."""
 
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from angelgpt.cli import app
+from angelgpt.cli import job
 from angelgpt.config import resolve
-from tests.helpers import load_script
-
-failure = load_script("bench_train")["failure"]
+from benchmarks.train import failure
 
 
 def test_a_refusal_before_launch_is_recorded_with_what_was_short(monkeypatch, capsys):
@@ -19,9 +17,9 @@ def test_a_refusal_before_launch_is_recorded_with_what_was_short(monkeypatch, ca
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda i: SimpleNamespace(name="NVIDIA H200", total_memory=150_117_965_824))
     cfg = resolve("h200-16b", overrides=["model.num_layers=20", "train.global_batch_size=32"])
-    _, _, planned, _ = app._resolve(cfg, True, 1, 1)
+    _, _, planned, _ = job.resolve_for(cfg, True, 1, 1)
     with pytest.raises(SystemExit) as exit_:
-        app._check_plan(planned, force=False)
+        job.check_plan(planned, force=False)
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     got = failure(err, 2)

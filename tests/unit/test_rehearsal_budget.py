@@ -8,7 +8,8 @@ import time
 
 import psutil
 
-from angelgpt.cli.rehearse import GIB, host_budget, over_budget_message, run_within_host_budget
+from angelgpt.cli.budget import host_budget, over_budget_message, run_within_host_budget
+from angelgpt.system import GIB
 from tests.helpers import check_one_line_error, run_cli, wait_for
 
 
