@@ -38,6 +38,13 @@ def _summary(cfg) -> dict:
     return {"config": to_dict(cfg), "params": num_params(cfg), "padded_vocab_size": cfg.padded_vocab_size()}
 
 
+# the options of the job that `train`, `rehearse` and `plan` share
+OVERRIDES = typer.Argument(None, help="KEY=VALUE config overrides (section.field)")
+SIZE = typer.Option(None, "--size", help="preset name (see `angelgpt presets list`)")
+CONFIG = typer.Option(None, "--config", help="YAML file layered over the preset")
+NNODES = typer.Option(1, "--nnodes", min=1)
+
+
 @presets_app.command("list")
 def presets_list() -> None:
     """One line per preset: name, layers x hidden, heads, parameters."""
@@ -108,9 +115,9 @@ def _detect_gpu(device: Optional[str]) -> bool:
 
 @app.command()
 def plan(
-    overrides: Optional[List[str]] = typer.Argument(None, help="KEY=VALUE config overrides (section.field)"),
+    overrides: Optional[List[str]] = OVERRIDES,
     size: Optional[str] = typer.Option(None, "--size", help="preset name"),
-    config: Optional[str] = typer.Option(None, "--config", help="YAML file layered over the preset"),
+    config: Optional[str] = CONFIG,
     machine: str = typer.Option("h200", "--machine", help="known machine whose figures are the defaults"),
     gpus_per_node: Optional[int] = typer.Option(None, "--gpus-per-node", min=1),
     nodes: int = typer.Option(1, "--nodes", min=1),
@@ -152,11 +159,11 @@ def plan(
 
 @app.command(context_settings={"allow_extra_args": False})
 def train(
-    overrides: Optional[List[str]] = typer.Argument(None, help="KEY=VALUE config overrides (section.field)"),
-    size: Optional[str] = typer.Option(None, "--size", help="preset name (see `angelgpt presets list`)"),
-    config: Optional[str] = typer.Option(None, "--config", help="YAML file layered over the preset"),
+    overrides: Optional[List[str]] = OVERRIDES,
+    size: Optional[str] = SIZE,
+    config: Optional[str] = CONFIG,
     nproc_per_node: Optional[int] = typer.Option(None, "--nproc-per-node", help="workers per node"),
-    nnodes: int = typer.Option(1, "--nnodes", min=1),
+    nnodes: int = NNODES,
     node_rank: int = typer.Option(0, "--node-rank", min=0),
     master_addr: Optional[str] = typer.Option(None, "--master-addr"),
     master_port: Optional[int] = typer.Option(None, "--master-port"),
@@ -260,11 +267,11 @@ def train(
 
 @app.command("rehearse", context_settings={"allow_extra_args": False})
 def rehearse_command(
-    overrides: Optional[List[str]] = typer.Argument(None, help="KEY=VALUE config overrides (section.field)"),
-    size: Optional[str] = typer.Option(None, "--size", help="preset name (see `angelgpt presets list`)"),
-    config: Optional[str] = typer.Option(None, "--config", help="YAML file layered over the preset"),
+    overrides: Optional[List[str]] = OVERRIDES,
+    size: Optional[str] = SIZE,
+    config: Optional[str] = CONFIG,
     nproc_per_node: Optional[int] = typer.Option(None, "--nproc-per-node", help="workers per node of the job"),
-    nnodes: int = typer.Option(1, "--nnodes", min=1),
+    nnodes: int = NNODES,
     device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (this machine's, for the rehearsal)"),
     machine: Optional[str] = typer.Option(None, "--machine", help="catalogue machine whose figures describe the "
                                           "target (default: this GPU's)"),
