@@ -43,10 +43,11 @@ def c_compiler(compiler: Optional[str] = None) -> Optional[str]:
     return shutil.which(cc) if cc else None
 
 
-def git_commit() -> str:
+def git_commit(root: Optional[str] = None) -> str:
     """The angelgpt commit that runs: $ANGELGPT_COMMIT (a copied tree's caller names it), else TREE/.commit
-    beside the package (a `git archive` tree), else git's HEAD of the checkout, else 'unknown'."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    beside the package (a `git archive` tree), else git's HEAD of the checkout, else 'unknown'. `root`:
+    another tree than this package's."""
+    root = str(root or os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     if os.environ.get("ANGELGPT_COMMIT"):
         return os.environ["ANGELGPT_COMMIT"]
     if os.path.isfile(os.path.join(root, ".commit")):

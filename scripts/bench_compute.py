@@ -11,9 +11,10 @@ transformer layer and with three. The difference is two layers' time; what the o
 beyond one layer is the rest (embedding, logits, loss). No optimizer and no gradient accumulation: the
 time of the GPU's kernels alone, what the planner's compute time (planner.plan) stands for.
 
-One result file under --out (default benchmarks/results/, never overwritten: -runN is appended) with
-the command, commit, machine and, per point, the median times after warm-up in seconds and the hardware
-FLOPs each ran (angelgpt.model.flops's counts), so that a fit can be redone from the file.
+One result file under --out (default benchmarks/results/, never overwritten: -runN is appended;
+benchmarks.results writes it) with the command, commit, machine and, per point, the median times after
+warm-up in seconds and the hardware FLOPs each ran (angelgpt.model.flops's counts), so that a fit can be
+redone from the file.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))  # angelgpt and the benchmarks package of this checkout
 
 
 def _model(size: str, tp: int, layers: int):
@@ -123,7 +124,7 @@ def _positive_ints(text: str) -> list:
 
 
 def main() -> int:
-    from scripts.bench_train import call_id, commit, machine, new_result_path
+    from benchmarks.results import RESULTS, invocation, stamp, write_result
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--name", required=True)
@@ -132,7 +133,7 @@ def main() -> int:
     ap.add_argument("--micro-batches", type=_positive_ints, default="1,2,4,8,16,32")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--out", default=str(RESULTS))
     a = ap.parse_args()
     import torch
 
@@ -150,13 +151,11 @@ def main() -> int:
     for size in a.size:
         for tp in a.tp:
             points += measure(size, tp, a.micro_batches, a.iters, a.warmup)
-    f = new_result_path(a.out, a.name)
-    f.write_text(json.dumps({"command": " ".join(["python", *sys.argv]), "commit": commit(), "machine": machine(),
-                             "call": call_id(), "wall_s": round(time.time() - started, 1),
-                             "what": "one micro batch's forward and backward with full recompute, no optimizer; "
-                                     "layer_s = (three_layers_s - one_layer_s) / 2",
-                             "points": points}, indent=1) + "\n")
-    print(f"wrote {f}")
+    result = stamp(a.name, invocation())
+    result.update(wall_s=round(time.time() - started, 1), points=points,
+                  what="one micro batch's forward and backward with full recompute, no optimizer; "
+                       "layer_s = (three_layers_s - one_layer_s) / 2")
+    print(f"wrote {write_result(a.out, result, indent=1)}")
     return 0
 
 

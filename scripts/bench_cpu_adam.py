@@ -4,35 +4,35 @@ with torch's fused AdamW and the two conversions around it ('torch').
 
     python scripts/bench_cpu_adam.py [--numel 67108864] [--threads N] [--repeats 7] [--out benchmarks/results]
 
-Writes <out>/cpu_adam-<numel>[-t<threads>].json: the command, commit, machine, median seconds and G params/s of
-each path, and the largest difference between the two paths' master weights.
+Writes <out>/cpu_adam-<numel>[-t<threads>].json (a run again -runN.json; benchmarks.results writes it): the
+command, commit, machine, median seconds and G params/s of each path, and the largest difference between the
+two paths' master weights.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import statistics
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))  # angelgpt and the benchmarks package of this checkout
 
 
 def main() -> int:
     import torch
 
     from angelgpt.zero_cache.cpu_adam import CpuAdam
-    from scripts.bench_train import commit, machine
+    from benchmarks.results import RESULTS, invocation, stamp, write_result
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--numel", type=int, default=1 << 26, help="slice size (ZeRO-Cache's SLICE)")
     ap.add_argument("--threads", type=int, default=None, help="both paths' threads (default: torch's)")
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
     if args.numel <= 0 or args.repeats <= 0 or (args.threads is not None and args.threads <= 0):
         print("bench_cpu_adam: --numel, --threads and --repeats must be > 0", file=sys.stderr)
@@ -79,19 +79,15 @@ def main() -> int:
             if step > 1:
                 times[name].append(time.perf_counter() - t0)
     diff = ((states["native"][0] - states["torch"][0]).abs().max() / states["torch"][0].abs().max()).item()
-    result = {
-        "name": f"cpu_adam-{n}" + (f"-t{args.threads}" if args.threads else ""),
-        "command": shlex.join([sys.executable, *sys.argv]),
-        "commit": commit(), "machine": machine(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    result = stamp(f"cpu_adam-{n}" + (f"-t{args.threads}" if args.threads else ""), invocation())
+    result.update({
         "numel": n, "threads": kernel.threads, "pinned": pin, "repeats": args.repeats,
         "median_s": {k: statistics.median(v) for k, v in times.items()},
         "gparams_per_s": {k: n / statistics.median(v) / 1e9 for k, v in times.items()},
         "speedup": statistics.median(times["torch"]) / statistics.median(times["native"]),
         "master_max_rel_diff": diff,
-    }
-    path = Path(args.out) / f"{result['name']}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1) + "\n")
+    })
+    print(f"wrote {write_result(args.out, result, indent=1)}")
     print(json.dumps({k: result[k] for k in ("median_s", "gparams_per_s", "speedup", "master_max_rel_diff")}))
     return 0
 

@@ -2,31 +2,27 @@
 
     python scripts/bench_prepare.py --workers 2 --vocab-size 8192 [--model-type unigram|bpe]
 
-Writes benchmarks/results/prepare-<workers>workers-<model type>.json with the command, commit, machine
-and figures.
+Writes benchmarks/results/prepare-<workers>workers-<model type>.json (a run again -runN.json;
+benchmarks.results writes it) with the command, commit, machine and figures.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import shlex
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))  # angelgpt and the benchmarks package of this checkout
 
 
 def main() -> int:
-    from scripts.bench_train import commit
-
     from angelgpt.data.prepare import prepare
     from angelgpt.data.tokenizer import train_tokenizer
+    from benchmarks.results import RESULTS, invocation, stamp, write_result
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--corpus", default=str(ROOT / "tests" / "data" / "tinyshakespeare.txt"))
@@ -36,7 +32,7 @@ def main() -> int:
     ap.add_argument("--model-type", default="unigram", choices=["unigram", "bpe"],
                     help="the tokenizer's model (unigram is the default of `angelgpt tokenizer train`)")
     ap.add_argument("--goal-tokens-per-s-per-core", type=float, default=1.0e6)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
 
     text = Path(args.corpus).read_text()
@@ -66,13 +62,9 @@ def main() -> int:
         encoded = sum(map(len, tok.tokenize_batch(docs * 10)))
         encode_rate = encoded / (time.perf_counter() - t0)
     rate = summary.tokens / seconds
-    result = {
-        "name": f"prepare-{args.workers}workers-{args.model_type}",
+    result = stamp(f"prepare-{args.workers}workers-{args.model_type}", invocation())
+    result.update({
         "tokenizer": {"model_type": args.model_type, "vocab_size": args.vocab_size},
-        "command": "python scripts/bench_prepare.py " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
-        "commit": commit(),
-        "machine": {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version()},
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "corpus_bytes": size,
         "documents": summary.documents,
         "tokens": summary.tokens,
@@ -83,11 +75,10 @@ def main() -> int:
         "tokenizer_alone_tokens_per_s_one_core": round(encode_rate),
         "goal_tokens_per_s_per_core": args.goal_tokens_per_s_per_core,
         "goal_met": rate / args.workers >= args.goal_tokens_per_s_per_core,
-    }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{result['name']}.json").write_text(json.dumps(result, indent=2) + "\n")
+    })
+    path = write_result(args.out, result)
     print(json.dumps(result, indent=2))
+    print(f"wrote {path}")
     return 0
 
 

@@ -32,7 +32,7 @@ if [ ! -d "$tree/angelgpt" ]; then
   exit 2
 fi
 tree=$(cd "$tree" && pwd)
-commit=$(python3 -c "import sys; sys.path.insert(0, '.'); from scripts.bench_train import commit; print(commit('$tree'))")
+commit=$(python3 -c "import sys; sys.path.insert(0, '.'); from benchmarks.results import commit; print(commit('$tree'))")
 if [ "$commit" = unknown ]; then
   echo "goal_table.sh: the commit measured is unknown: pass a tree with TREE/.commit, or set ANGELGPT_COMMIT" >&2
   exit 2

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Rehearsals of the reference jobs on one GPU (`angelgpt train --rehearse`), one result file each under
-# benchmarks/results/ (rehearse-SIZE-MACHINE[-runN].json, with command, commit and this machine):
+# benchmarks/results/ (rehearse-SIZE-MACHINE[-runN].json, named by benchmarks.results, with command, commit
+# and this machine):
 #   55 and 28 as shipped on the reference node (8x A100-40G, 1000 GiB host: --machine a100-40gx8
 #   --host-mem 1000, so the GPU capped at 40 GiB less the CUDA context and ZeRO-Cache's host budget
 #   1000/8 GiB a rank), and 55 on an 8x H200 node (--machine h200x8).
@@ -10,6 +11,7 @@
 # (--gpu-mem GIB: a tighter cap than the machine's, rehearse-SIZE-MACHINE-gpuGIB.json). STEPS (default 3) steps a rank; each case is
 # stopped after CASE_S seconds (default 300).
 set -u
+here=$(cd "$(dirname "$0")/.." && pwd)  # this checkout: its benchmarks package names the result files
 tree=${1:-$PWD}; shift || true
 cases=${*:-55-a100-40gx8 28-a100-40gx8 55-h200x8}
 tree=$(cd "$tree" && pwd)
@@ -21,8 +23,7 @@ for c in $cases; do
   size=${c%%-*}; machine=${c#*-}
   host=1000; [ "$machine" = h200x8 ] && host=2048
   name=rehearse-$size-$machine${cap:+-gpu$cap}
-  f=$results/$name.json; n=2
-  while [ -e "$f" ]; do f=$results/$name-run$n.json; n=$((n + 1)); done
+  f=$(PYTHONPATH=$here python3 -m benchmarks.results path "$results" "$name")  # NAME.json, else NAME-runN.json
   echo "== $c -> $(basename "$f") ($(date -u +%T))"
   ( cd "$tree" && timeout -k 10 "${CASE_S:-300}" python3 -m angelgpt train --size "$size" --rehearse \
       --nproc-per-node 8 --machine "$machine" --host-mem "$host" ${cap:+--gpu-mem "$cap"} --rehearse-steps "${STEPS:-3}" \

@@ -1,5 +1,5 @@
 """What the tests share: run the real `angelgpt` CLI in a subprocess, read its metrics file, train the
-tiny preset, check a one-line CLI error, load a script of scripts/ by path.
+tiny preset, check a one-line CLI error.
 
 Tests import these from here (`from tests.helpers import ...`), never from conftest.py or from one
 another; conftest.py holds only pytest fixtures and hooks.
@@ -9,7 +9,6 @@ import contextlib
 import io
 import json
 import os
-import runpy
 import subprocess
 import sys
 import time
@@ -52,11 +51,6 @@ def check_one_line_error(proc, needle, in_worker=False):
     assert "Traceback" not in proc.stderr + proc.stdout
     if not in_worker:
         assert "torchrun command" not in proc.stdout  # refused before launching
-
-
-def load_script(name):
-    """The globals of scripts/NAME.py, run by path as module NAME (its main() not called)."""
-    return runpy.run_path(str(ROOT / "scripts" / f"{name}.py"), run_name=name)
 
 
 def wait_for(cond, timeout=120.0, poll=0.005):

@@ -1,4 +1,5 @@
-"""The DeepSpeed peer trains what `angelgpt train` trains: its plain-PyTorch GPT has exactly the parameters,
+"""The DeepSpeed peer (benchmarks/deepspeed_peer.py, run as scripts/bench_deepspeed.py) trains what
+`angelgpt train` trains: its plain-PyTorch GPT has exactly the parameters,
 layouts and initial scale of angelgpt's Megatron GPT, reads the same batches, takes the same loss, the same
 AdamW groups and the same LR schedule, so the benchmark's peers train the same model and count the same
 FLOPs. Checked on CPU against a real `angelgpt train` run of the tiny preset; DeepSpeed itself only where
@@ -15,11 +16,8 @@ import torch
 
 from angelgpt.config import resolve
 from angelgpt.model.flops import num_params
-from tests.helpers import ROOT, load_script, read_metrics, train_tiny
-
-_SCRIPT = load_script("bench_deepspeed")
-GPT, ds_config, CONFIGS = _SCRIPT["GPT"], _SCRIPT["ds_config"], _SCRIPT["CONFIGS"]
-param_groups, MegatronLR, train_batches = _SCRIPT["param_groups"], _SCRIPT["MegatronLR"], _SCRIPT["train_batches"]
+from benchmarks.deepspeed_peer import CONFIGS, GPT, MegatronLR, ds_config, param_groups, train_batches
+from tests.helpers import ROOT, read_metrics, train_tiny
 ITERS = 20
 _LAYER = {"input_layernorm": "ln1", "self_attention.linear_qkv": "qkv", "self_attention.linear_proj": "proj",
           "pre_mlp_layernorm": "ln2", "mlp.linear_fc1": "fc1", "mlp.linear_fc2": "fc2"}
@@ -73,7 +71,7 @@ def test_first_step_loss_gradients_and_norm_equal_angelgpt(start, angelgpt_run):
     """On the first global batch the script reads, the script's model with angelgpt's initial weights gives
     the loss and gradient norm `angelgpt train` logged, and Megatron's gradients parameter by parameter."""
     from angelgpt.train.loop import loss_func
-    from angelgpt.train.optim import global_grad_norm
+    from angelgpt.optimizer.cpu import global_grad_norm
 
     cfg, megatron, model = start
     megatron.zero_grad(set_to_none=True)
@@ -135,7 +133,7 @@ def test_twenty_steps_follow_angelgpt(start, angelgpt_run):
 
 def test_weight_decay_groups_are_angelgpts(start):
     """Biases and norms take no weight decay; the decayed and undecayed parameters are angelgpt's."""
-    from angelgpt.train.optim import param_groups as angelgpt_groups
+    from angelgpt.optimizer.cpu import param_groups as angelgpt_groups
 
     cfg, megatron, model = start
     ours, theirs = param_groups(model, 0.1), angelgpt_groups(megatron, 0.1)

@@ -1,20 +1,18 @@
-"""BENCHMARKS.md stays true to the result files: `scripts/bench_peers.py report` run on the committed
-files into a temporary directory gives the committed BENCHMARKS.md; every number of its notes is in the
-result file named beside it; a goal ratio of two files from different device calls is not given as a
-goal result."""
+"""BENCHMARKS.md stays true to the result files: `scripts/bench_peers.py report` (benchmarks.report,
+filling benchmarks/BENCHMARKS.md.template) run on the committed files into a temporary directory gives
+the committed BENCHMARKS.md; every number of its notes is in the result file named beside it; a note
+whose file is missing is left out, and said so; a goal ratio of two files from different device calls
+is not given as a goal result."""
 
 import json
 import re
 import shutil
 import statistics
-import sys
 
 import pytest
 
+from benchmarks.report import generate, report, same_call
 from tests.helpers import ROOT
-
-sys.path.insert(0, str(ROOT))
-from scripts.bench_report import generate, report, same_call  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 # a number outside a word: not the 3 of ZeRO-3, the 2 of H2D or the digits of a commit such as 4e6d409
@@ -93,6 +91,22 @@ def test_every_number_in_the_notes_is_in_the_result_file_named_beside_it(committ
     typed = next(t for t in (f"{float(number) + k / 10:.1f}" for k in range(1, 100)) if not appears(t, r))
     assert unsupported(notes.replace(number, typed), RESULTS) == [(typed, file)]
     assert unsupported("- (d) made 529.6 TFLOP/s at rate 0.75", RESULTS) == [("529.6", None), ("0.75", None)]
+
+
+def test_a_note_whose_file_is_missing_is_left_out_and_said_so(tmp_path, capsys, committed):
+    results = tmp_path / "results"
+    shutil.copytree(RESULTS, results)
+    (results / "peers-zero_cache_nvme-L24-mb2-gb2.json").unlink()  # the NVMe note's one file
+    text, _ = generate(results)
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [
+        "bench_report: note 'nvme' left out: no peers-zero_cache_nvme-L24-mb2-gb2"], err
+    assert [n for n in note_lines(committed) if not n.startswith("- (e) ZeRO-Cache with the NVMe tier")] == \
+        note_lines(text)
+
+
+def note_lines(text: str) -> list:
+    return [line for line in text.split("\n## Notes\n", 1)[1].splitlines() if line.startswith("- ")]
 
 
 def rerun(results, case, call, boot_id="boot-1"):

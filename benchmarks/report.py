@@ -1,0 +1,320 @@
+"""BENCHMARKS.md and benchmarks/peers.png from the peer result files.
+
+    python scripts/bench_peers.py report [--results DIR] [--out-dir DIR] [--no-chart]
+    python -m benchmarks.report ...                                    # the same
+
+The text is benchmarks/BENCHMARKS.md.template (Jinja2), every word of it there; this module reads the
+result files under benchmarks/results/ and hands the template the data: the newest run of each case (a
+case run again is NAME-runN.json beside NAME.json, and the earlier runs get a table of their own), each
+system's largest completed size, the goal ratios with the same-call check behind them (two files compare
+only when they share `call` and `machine`: benchmarks.results records both), how each run's micro
+batches' gradients added up (ZeRO-Cache's runs before commit da83288 added up in bf16;
+`optim.accumulate_grads_in_fp32`, fp32, is the default since: a system's largest size and the goals take
+runs of the default, the bf16 runs are shown as the opt-out's), ZeRO-Cache's time profile, and `f`
+(benchmarks.figures.Figures), from which the notes read each figure beside the file it comes from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import sys
+from pathlib import Path
+
+from benchmarks.figures import Figures
+from benchmarks.results import RESULTS, ROOT, runs_by_case
+from benchmarks.systems import LABEL, SYSTEMS
+
+TEMPLATE = Path(__file__).resolve().parent / "BENCHMARKS.md.template"
+NOTABLE = ("model.recompute", "zero_cache.prefetch_cache_sub_group_rate", "optim.offload_fraction",
+           "zero_cache.accumulate_in_store", "zero_cache.offload_params", "zero_cache.device_update_fraction",
+           "zero_cache.nvme_path", "zero_cache.cpu_adam", "optim.accumulate_grads_in_fp32")
+
+# commit da83288 made optim.accumulate_grads_in_fp32 (true) the default; ZeRO-Cache's runs before it added up
+# micro batches' gradients in bf16, Megatron's optimizers always in fp32 (grad_reduce_in_fp32)
+FP32_SUMS_SINCE = "2026-12-04T05:38:52Z"
+
+
+def sums(r: dict, system: str, mb: int, gb: int):
+    """How a run's micro batches' gradients added up: 'none' (one micro batch a step), 'fp32' or 'bf16' as
+    its config or command gave it, else as the default was on its date; None for DeepSpeed's runs."""
+    if system.startswith("deepspeed"):
+        return None
+    if gb // mb == 1:
+        return "none"
+    given = ((r.get("config") or {}).get("optim") or {}).get("accumulate_grads_in_fp32")
+    said = re.findall(r"(?:^| )optim\.accumulate_grads_in_fp32=(\S+)", r.get("command", ""))
+    if given is None and said:
+        given = said[-1].lower() in ("true", "1", "yes")
+    if given is None:
+        given = system.startswith("megatron") or r.get("date", "") >= FP32_SUMS_SINCE
+    return "fp32" if given else "bf16"
+
+
+def same_call(a: dict, b: dict) -> str:
+    """'same call' when two result files share the device call and the machine, 'different calls'
+    when they do not, 'call unknown' when either predates the `call` record."""
+    if not a.get("call") or not b.get("call"):
+        return "call unknown"
+    ma, mb = a.get("machine") or {}, b.get("machine") or {}
+    machine = all(ma.get(k) == mb.get(k) for k in ("host", "boot_id", "gpu", "gpu_uuid"))
+    return "same call" if a["call"] == b["call"] and machine else "different calls"
+
+
+def settings(r: dict) -> str:
+    """The notable overrides a run used (the last value of each key), and the given gradient
+    accumulation dtype where the file records the config, for the tables."""
+    found = {}
+    for word in r.get("command", "").split():
+        key, _, value = word.partition("=")
+        if key in NOTABLE:
+            found[key.split(".")[-1]] = value
+        elif key.startswith("deepspeed."):  # benchmarks.deepspeed_peer's own keys
+            found[key.removeprefix("deepspeed.").removeprefix("zero_optimization.")] = value
+    fp32 = ((r.get("config") or {}).get("optim") or {}).get("accumulate_grads_in_fp32")
+    if fp32 is not None and "accumulate_grads_in_fp32" not in found:
+        found["accumulate_grads_in_fp32"] = str(fp32).lower()
+    return ", ".join(f"{k}={v}" for k, v in found.items()) or "-"
+
+
+def row(f: Path, r: dict) -> dict:
+    system, rest = r["name"][len("peers-"):].rsplit("-L", 1)
+    records = r.get("records", [])
+    profiles = [x["zero_cache_profile"] for x in records[r.get("warmup_iters", 0):] if x.get("zero_cache_profile")]
+    mb, gb = (int(x[2:]) for x in rest.split("-")[1:3])
+    return dict(file=f.name, raw=r, system=system, layers=int(rest.split("-")[0]), mb=mb, gb=gb,
+                ok=r["returncode"] == 0 and len(records) >= 3, steps=len(records), params=None,
+                tflops=r.get("tflops_per_gpu_median"), tokens=r.get("tokens_per_s_median"),
+                gpu=r.get("peak_gpu_gib"), host=r.get("peak_host_gib"), oom=r.get("oom"),
+                oom_kind=r.get("oom_kind"), refused=r.get("refused"), commit=r.get("commit", "")[:10],
+                date=r.get("date", ""), call=r.get("call") or "unknown", step_ms=r.get("elapsed_ms_median"),
+                profile={k: statistics.median(p[k] for p in profiles) for k in profiles[0]} if profiles else None,
+                settings=settings(r), sums=sums(r, system, mb, gb))
+
+
+def current(r) -> bool:
+    """Whether a run trained as the default trains now (not with bf16 sums)."""
+    return r["sums"] != "bf16"
+
+
+def pick(xs, ys, figure):
+    """The two runs a ratio is taken from: each side's best within the newest device call that has
+    runs on both sides; without one, each side's best overall (the goal table then says why it is
+    not a goal result)."""
+    calls: dict = {}
+    for x in xs:
+        for y in ys:
+            if same_call(x["raw"], y["raw"]) == "same call":
+                calls.setdefault(x["raw"]["call"], set()).update({id(x), id(y)})
+    if calls:
+        newest = max(calls, key=lambda c: max(r["date"] for r in xs + ys if id(r) in calls[c]))
+        xs, ys = ([r for r in side if id(r) in calls[newest]] for side in (xs, ys))
+    return max(xs, key=figure), max(ys, key=figure)
+
+
+def goal(kind: str, target: float, x=None, y=None, constant=None, **about) -> dict:
+    """One goal line's data: `kind` and `about` say which (the template words it), x and y the two runs
+    of a ratio (or x and a constant number of parameters), `check` whether they compare and `verdict`
+    'met', 'missed' or None (measured, but not a goal result); `value` None when not measured."""
+    g = dict(kind=kind, target=target, x=x, y=y, value=None, check=None, verdict=None, **about)
+    if x is None or (y is None and constant is None):
+        return g
+    if y is None:
+        g.update(value=x["params"] / constant, check="one run")
+    else:
+        key = "params" if kind.startswith("size") else "tflops"
+        g.update(value=x[key] / y[key], check=same_call(x["raw"], y["raw"]))
+    if g["check"] in ("same call", "one run"):
+        g["verdict"] = "met" if g["value"] >= target else "missed"
+    return g
+
+
+def goals(rows, best, best_any, opt_out) -> list:
+    """The goals, in the table's order: ZeRO-Cache's runs of the default (fp32 sums) at the peers' global
+    batch, then its largest at any global batch and its bf16-sum opt-out's largest, each said so."""
+    out = []
+
+    def ok(system, layers=None, gb=None, speed=False, default=True):
+        return [r for r in rows if r["system"] == system and r["ok"] and (layers is None or r["layers"] == layers)
+                and (gb is None or r["gb"] == gb) and (r["tflops"] if speed else True) and current(r) == default]
+
+    def speed(kind, target, xs, ys, **about):
+        x, y = pick(xs, ys, lambda r: r["tflops"]) if xs and ys else (None, None)
+        out.append(goal(kind, target, x, y, **about))
+
+    a = best.get("megatron")
+    gb = a["gb"] if a else None
+    for peer in ("megatron", "deepspeed_zero3_offload"):
+        p = best.get(peer)
+        xs, ys = ok("zero_cache", gb=p and p["gb"]), ok(peer)
+        x, y = pick(xs, ys, lambda r: r["params"]) if p and xs and ys else (None, None)
+        out.append(goal("size_peer", {"megatron": 2.0}.get(peer, 1.9), x, y, peer=peer, peer_best=p))
+    d, d_any = best.get("zero_cache"), best_any.get("zero_cache")
+    out.append(goal("size_16b", 1.0, d, constant=16e9, gb=gb, d=d))
+    if d_any and d_any is not d:
+        out.append(goal("size_16b_any", 1.0, d_any, constant=16e9, d=d_any))
+    out.append(goal("size_19b", 1.0, best_any.get("zero_cache_nvme"), constant=19e9))
+    for peer, target in (("megatron", 0.97), ("deepspeed_zero3_offload", 2.0), ("megatron_cpu_offload", 1.2)):
+        p = best.get(peer)
+        speed("speed_peer", target, ok("zero_cache", p and p["layers"], speed=True) if p else [],
+              ok(peer, p and p["layers"], speed=True), peer=peer, peer_best=p)
+    a_runs = ok("megatron", a["layers"], speed=True) if a else []
+    speed("speed_largest", 0.75, ok("zero_cache", d["layers"], d["gb"], speed=True) if d else [], a_runs,
+          gb=gb, d=d, a=a)
+    if d_any and d_any is not d:
+        speed("speed_largest_any", 0.75, ok("zero_cache", d_any["layers"], d_any["gb"], speed=True), a_runs, d=d_any)
+    o = opt_out.get("zero_cache")
+    if o:
+        speed("speed_opt_out", 0.75, ok("zero_cache", o["layers"], o["gb"], speed=True, default=False), a_runs, d=o)
+    return out
+
+
+def largest(rows, best, best_any, opt_out) -> list:
+    """The largest-size table's lines, each system in order: its largest as it trains by default at the
+    peers' global batch (`run`), then at another global batch and with bf16 sums where it has those, each
+    with the next size up that failed (`next`; None when none was tried); a system with none completed:
+    `run` None and `tried`, its smallest failed run."""
+    out = []
+
+    def entry(system, variant, b, keep):
+        bigger = [r for r in rows if r["system"] == b["system"] and r["gb"] == b["gb"] and keep(r)
+                  and r["layers"] > b["layers"]]
+        out.append(dict(system=system, variant=variant, run=b,
+                        next=min(bigger, key=lambda r: r["layers"]) if bigger else None))
+
+    for system in SYSTEMS:
+        b = best.get(system)
+        if not b:
+            tried = sorted((r for r in rows if r["system"] == system and r["oom"]), key=lambda r: r["layers"])
+            out.append(dict(system=system, variant=None, run=None, tried=tried[0] if tried else None))
+            continue
+        entry(system, None, b, current)
+        if best_any[system] is not b:
+            entry(system, "global batch", best_any[system], current)
+        if system in opt_out:
+            entry(system, "opt-out", opt_out[system], lambda r: not current(r))
+    return out
+
+
+def note(name: str, caller) -> str:
+    """A note of the template (`{% call note("name") %}...{% endcall %}`): its lines joined into one
+    bullet; left out, and said so on stderr, when a result file or figure it names is missing."""
+    try:
+        return "- " + oneline(caller()) + "\n"
+    except KeyError as exc:
+        print(f"bench_report: note '{name}' left out: no {exc.args[0]}", file=sys.stderr)
+        return ""
+
+
+def oneline(text: str) -> str:
+    """A paragraph of the template wrapped over lines, as one line (Markdown reads it the same)."""
+    return " ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+def fmt(v, form: str) -> str:
+    return form.format(v) if v is not None else "-"
+
+
+def code_list(items) -> str:
+    return ", ".join(f"`{x}`" for x in items)
+
+
+def render(**context) -> str:
+    import jinja2
+
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATE.parent), undefined=jinja2.StrictUndefined,
+                             trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True, autoescape=False)
+    env.filters.update(fmt=fmt, oneline=oneline, code_list=code_list)
+    return env.get_template(TEMPLATE.name).render(note=note, **context)
+
+
+def generate(results: Path):
+    """(BENCHMARKS.md's text, the data of the chart)."""
+    from angelgpt.config import resolve
+    from angelgpt.model.flops import num_params
+
+    cases = runs_by_case(results)
+    peers = {c: runs for c, runs in cases.items() if c.startswith("peers-")}
+    rows, earlier = [], []
+    for case in sorted(peers):
+        *older, newest = peers[case]
+        rows.append(row(*newest))
+        earlier += [(row(*run), newest[0].name) for run in older]
+    for r in rows + [e for e, _ in earlier]:
+        r["params"] = num_params(resolve("h200-16b", overrides=[f"model.num_layers={r['layers']}"]))
+    # each system's largest completed size as it trains by default: at the global batch of Megatron's largest
+    # (every peer's), else at any; ZeRO-Cache's largest at any global batch and with bf16 sums beside it
+    done = [r for r in rows if r["ok"]]
+    largest_of = lambda sys_, keep: max((r for r in done if r["system"] == sys_ and keep(r)),  # noqa: E731
+                                        key=lambda r: (r["layers"], r["gb"]), default=None)
+    best_any = {s: b for s in SYSTEMS if (b := largest_of(s, current))}
+    a = best_any.get("megatron")
+    best = {s: largest_of(s, lambda r: current(r) and a and r["gb"] == a["gb"]) or b for s, b in best_any.items()}
+    opt_out = {s: b for s in SYSTEMS if (b := largest_of(s, lambda r: not current(r)))}
+    order = lambda r: (r["system"], r["layers"], r["gb"])  # noqa: E731
+    text = render(runs=sorted(rows, key=order), earlier=sorted(earlier, key=lambda e: order(e[0])),
+                  largest=largest(rows, best, best_any, opt_out), goals=goals(rows, best, best_any, opt_out),
+                  profiled=sorted((r for r in rows if r["profile"]), key=lambda r: (r["layers"], r["gb"])),
+                  f=Figures(cases), label=LABEL, systems=SYSTEMS)
+    at = {(r["system"], r["layers"]): max((x["tflops"] for x in rows if x["system"] == r["system"] and current(x)
+                                            and x["layers"] == r["layers"] and x["ok"] and x["tflops"]), default=0)
+          for r in rows}
+    return text, (best, at, rows)
+
+
+def chart(path: Path, best, at, rows) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no chart (pip install angelgpt[bench])")
+        return False
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    names = [s for s in SYSTEMS if s in best]
+    ax1.bar([f"{LABEL[s][:3]}\nbatch {best[s]['gb']}" for s in names], [best[s]["params"] / 1e9 for s in names],
+            color="tab:blue")
+    ax1.set_ylabel("largest model (B parameters)")
+    ax1.set_title("Largest size measured to complete 3 steps, one H200\n(each system's default, at its global batch)",
+                  fontsize=9)
+    sizes = sorted({best[s]["layers"] for s in names})
+    width = 0.8 / max(1, len(names))
+    for i, s in enumerate(names):
+        ax2.bar([j + i * width for j in range(len(sizes))], [at.get((s, L), 0) for L in sizes], width,
+                label=LABEL[s])
+    ax2.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(sizes))])
+    ax2.set_xticklabels([f"{L} layers" for L in sizes])
+    ax2.set_ylabel("model TFLOP/s per GPU")
+    ax2.set_title("Throughput at each system's largest size")
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def report(results: Path, out_dir: Path, with_chart: bool = True) -> int:
+    if not results.is_dir():
+        print(f"bench_peers report: no results directory '{results}'", file=sys.stderr)
+        return 2
+    text, (best, at, rows) = generate(results)
+    (out_dir / "BENCHMARKS.md").write_text(text)
+    print(f"wrote {out_dir / 'BENCHMARKS.md'}")
+    if with_chart and chart(out_dir / "benchmarks" / "peers.png", best, at, rows):
+        print(f"wrote {out_dir / 'benchmarks' / 'peers.png'}")
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="BENCHMARKS.md and benchmarks/peers.png from the result files")
+    ap.add_argument("--results", default=str(RESULTS), help="the result files' directory")
+    ap.add_argument("--out-dir", default=str(ROOT), help="where BENCHMARKS.md (and benchmarks/peers.png) go")
+    ap.add_argument("--no-chart", action="store_true")
+    args = ap.parse_args(argv)
+    return report(Path(args.results), Path(args.out_dir), with_chart=not args.no_chart)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
