@@ -3,9 +3,12 @@ and what its 'auto' settings become on a given machine.
 
 Shared by `angelgpt plan`, `angelgpt train` (which resolves the config once, with this machine's reading,
 refuses what will not fit, and hands the workers that reading) and the workers (which resolve with it).
-Parts: machines (the catalogue and this machine's reading), plan (the memory and time model), resolve
-(every 'auto' made concrete), layout (a rank's parameters from the config), report (what `angelgpt plan`
-prints). Torch-free except `read_this_machine`, which reads the device.
+Parts: machines (the catalogue and this machine's reading), calibration (the model's constants and
+their sources), memory and timing (the model's shared terms), systemplan (a plan's totals, margins and
+bottleneck), megatron, megatron_cpu_offload, zero_cache and zero3_offload (each system's plan as
+configured), search (the 'auto' choices), plan (the entry points: each system's plan with 'auto'
+settled), resolve (every 'auto' made concrete), layout (a rank's parameters from the config), report
+(what `angelgpt plan` prints). Torch-free except `read_this_machine`, which reads the device.
 """
 
 from angelgpt.planner.machines import (GIB, MACHINES, Machine, describe, machine_from, read_this_machine,

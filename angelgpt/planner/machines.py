@@ -22,7 +22,7 @@ import re
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Dict, Optional, Tuple
 
-GIB = 1024 ** 3
+from angelgpt.planner.calibration import GIB, HOST_PROCESS
 
 # the hardware figures of a Machine (every one of them has a source)
 FIGURES: Tuple[str, ...] = ("gpus_per_node", "gpu_mem_gib", "host_mem_gib", "nvme_gib", "pcie_gbs", "nvme_gbs",
@@ -266,7 +266,6 @@ def read_this_machine(zero_cache_cfg, gpus_per_node: int, before_workers: bool =
     processes will come out of the host memory read now, so HOST_PROCESS per GPU is taken out first."""
     import torch
 
-    from angelgpt.planner.plan import HOST_PROCESS
     from angelgpt.zero_cache.tiers import host_bytes, nvme_bytes
 
     zc = zero_cache_cfg

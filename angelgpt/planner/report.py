@@ -6,7 +6,8 @@ from dataclasses import asdict
 from typing import Dict
 
 from angelgpt.planner.machines import GIB, Machine
-from angelgpt.planner.plan import SystemPlan, activation_bytes
+from angelgpt.planner.memory import activation_bytes
+from angelgpt.planner.systemplan import SystemPlan
 
 
 def _gib(b: float) -> str:

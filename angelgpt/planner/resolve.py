@@ -3,7 +3,8 @@
 Owns `resolve_config` (the one place where every 'auto' of a config is settled: the launcher calls it
 with its reading of the machine, the workers with the same reading, and build what it returns) and
 `resolved_line` (the line that says what was settled). The choices are the memory and time model's
-(planner.plan) for the machine given; the machine's figures are used as given (planner.machines).
+(planner.plan, searched by planner.search) for the machine given; the machine's figures are used as
+given (planner.machines).
 Torch-free: it looks for a C compiler without running it.
 """
 
@@ -16,7 +17,9 @@ from typing import List, Optional, Tuple
 
 from angelgpt.config import Config, ConfigError
 from angelgpt.planner.machines import Machine
-from angelgpt.planner.plan import SystemPlan, device_update_fraction, offload_params_on, plan_for
+from angelgpt.planner.plan import plan_for
+from angelgpt.planner.systemplan import SystemPlan
+from angelgpt.planner.zero_cache import device_update_fraction, offload_params_on
 
 
 def _c_compiler() -> Optional[str]:
@@ -54,7 +57,7 @@ def resolve_config(cfg: Config, machine: Machine, gpus_per_node: int, nodes: int
       kept inputs is what fits or is faster, else 'none';
       zero_cache (optimizer zero_cache): prefetch_cache_sub_group_rate, offload_params and
       accumulate_in_store as that plan placed them, device_update_fraction the split of the host update
-      by the rates of its two paths (plan.device_update_fraction).
+      by the rates of its two paths (zero_cache.device_update_fraction).
     On CPU: model.recompute 'none' (full recompute needs CUDA) and model.activation_offload 'none'.
     parallel.sequence_parallel (not an 'auto', but settled here too): off with TP 1, where there is no
       group to split the sequence over; resolved_line says so.

@@ -127,7 +127,7 @@ def test_host_chunks_updated_on_the_device_equal_torch_adamw(tmp_path, monkeypat
             assert r["device_updated"] == r["host_numel"], r
         else:
             assert 0 < r["device_updated"] < r["host_numel"], r
-        for module in (placement, importlib.import_module("angelgpt.planner.plan")):  # the workers' slice size
+        for module in (placement, importlib.import_module("angelgpt.planner.zero_cache")):  # the workers' slice size
             monkeypatch.setattr(module, "SLICE", 1000)
         monkeypatch.setattr(placement, "DEVICE_UPDATE_SLICE", 1000)
         predicted = rank_tier_bytes(cfg, 2, r["rank"], 0.3, 1 << 50, False, model_bytes=4, fraction=fraction)[2]
