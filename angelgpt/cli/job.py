@@ -80,7 +80,9 @@ def launch(cfg, size, config, extra, on_gpu: bool, gpu_here: bool, target, dp: i
         print(warning, file=sys.stderr, flush=True)
     # the workers build from the config resolved here, written beside the run (checkpoint.save, else a
     # directory of its own that goes with the run)
-    with launch.run_config_file(cfg, machine, cmd) as path:
+    # kept in checkpoint.save by the launcher that locks it (one node's; none with --rdzv-endpoint)
+    keep = rdzv.nnodes == 1 or (rdzv.node_rank == 0 and not rdzv.rdzv_endpoint)
+    with launch.run_config_file(cfg, machine, cmd, keep) as path:
         env[RUN_CONFIG_ENV] = str(path)
         rc, why = launch.run(cmd, env)
     if rc == 2:

@@ -75,29 +75,36 @@ RUN_CONFIG = "run-config.yaml"
 
 
 @contextlib.contextmanager
-def run_config_file(cfg, machine, cmd: List[str]):
+def run_config_file(cfg, machine, cmd: List[str], keep: bool = True):
     """The resolved config (every 'auto' a value) as the YAML file the workers build from, with the
     machine reading it was resolved for and the command line as comments above it: RUN_CONFIG in
-    checkpoint.save (kept with the checkpoints), else in a temporary directory removed after the run.
-    Written to a temporary name and renamed, so a reader never sees half a file."""
+    checkpoint.save (kept with the checkpoints) where `keep` (the launcher that holds the directory's
+    lock: of several nodes, node 0), else in a temporary directory removed after the run. Written to a
+    temporary name and renamed, so a reader never sees half a file; a directory that cannot take it is
+    refused in one line."""
+    import socket
     import tempfile
 
     import yaml
 
-    from angelgpt.config import to_dict
+    from angelgpt.config import ConfigError, to_dict
 
-    own = None if cfg.checkpoint.save else tempfile.mkdtemp(prefix="angelgpt-run-")
-    folder = Path(cfg.checkpoint.save or own)
-    folder.mkdir(parents=True, exist_ok=True)
+    into_save = bool(cfg.checkpoint.save) and keep
+    own = None if into_save else tempfile.mkdtemp(prefix="angelgpt-run-")
+    folder = Path(cfg.checkpoint.save if into_save else own)
     path = folder / RUN_CONFIG
     text = (f"# the config `angelgpt train` resolved, which its workers build from\n"
             f"# command: {' '.join(shlex.quote(a) for a in sys.argv)}\n"
             f"# workers: {format_command(cmd)}\n"
             f"# machine reading: {machine.to_json() if machine is not None else 'none'}\n"
             + yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    tmp = path.with_name(f".{RUN_CONFIG}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{RUN_CONFIG}.{socket.gethostname()}.{os.getpid()}.tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise ConfigError(f"cannot write {path}: {exc.strerror or exc}") from None
     try:
         yield path
     finally:
