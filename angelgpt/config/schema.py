@@ -25,6 +25,10 @@ def _require(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
+# the dtypes ZeRO-Cache keeps Adam's moments in (optim.exp_avg_dtype, optim.exp_avg_sq_dtype)
+MOMENT_DTYPES = ("fp32", "bf16")
+
+
 def _fraction_or_auto(key: str, value) -> None:
     """A number in [0, 1], or the string 'auto'."""
     if isinstance(value, str):
@@ -215,10 +219,32 @@ class OptimConfig:
     DP is fp32 either way). false: gradients add up in the model's dtype (bf16 on GPU): half the
     gradient bytes, but the rounding error grows with the number of micro batches. On CPU the model is
     fp32 and both are the same."""
+    store_param_remainders: bool = False
+    """ZeRO-Cache keeps each fp32 master weight as the bf16 weight plus a 16-bit remainder (Megatron's
+    and Transformer Engine's name): the exact fp32 master in 4 bytes instead of 6, 2 bytes a parameter
+    less. The weight is the master rounded to nearest with ties away from zero (a 16-bit remainder
+    cannot undo ties to even), so it differs from the fp32 path's bf16 weight by one bf16 step at
+    exact ties only; the master is the same. Only for a bf16 model (a GPU run); Megatron's optimizers
+    refuse it."""
+    exp_avg_dtype: str = "fp32"
+    """dtype ZeRO-Cache keeps Adam's first moment in (Megatron's exp_avg_dtype): 'fp32', or 'bf16' (2
+    bytes a parameter less; rounded to nearest on every write). The update itself runs in fp32."""
+    exp_avg_sq_dtype: str = "fp32"
+    """dtype ZeRO-Cache keeps Adam's second moment in (Megatron's exp_avg_sq_dtype): 'fp32' or 'bf16'."""
 
     def __post_init__(self):
         _require(self.optimizer in ("megatron", "megatron_cpu_offload", "zero_cache"),
                  f"optim.optimizer must be 'megatron', 'megatron_cpu_offload' or 'zero_cache', got '{self.optimizer}'")
+        for key in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+            _require(getattr(self, key) in MOMENT_DTYPES,
+                     f"optim.{key} must be one of {', '.join(MOMENT_DTYPES)}, got '{getattr(self, key)}'")
+        compact = [k for k, v in (("store_param_remainders", self.store_param_remainders),
+                                  ("exp_avg_dtype", self.exp_avg_dtype != "fp32"),
+                                  ("exp_avg_sq_dtype", self.exp_avg_sq_dtype != "fp32")) if v]
+        _require(not compact or self.optimizer == "zero_cache",
+                 f"optim.{compact[0] if compact else ''} is honoured by optim.optimizer 'zero_cache' only "
+                 f"(Megatron's optimizers keep fp32 master weights and moments without transformer-engine); "
+                 f"got optimizer '{self.optimizer}'")
         _require(0.0 <= self.offload_fraction <= 1.0,
                  f"optim.offload_fraction must be in [0, 1], got {self.offload_fraction}")
         _require(self.lr_decay_style in ("cosine", "linear", "constant"),

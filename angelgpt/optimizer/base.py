@@ -57,6 +57,11 @@ class Optimizer(ABC):
     def load_state_dict(self, state: dict) -> None:
         """Takes what dist_checkpointing loaded for sharded_state_dict(..., is_loading=True)."""
 
+    def checkpoint_metadata(self) -> dict:
+        """What a checkpoint records about this optimizer's state beside Megatron's format choices (its
+        content metadata; given back to sharded_state_dict as `metadata` when loading)."""
+        return {}
+
     def materialized(self):
         """A context in which every weight is an ordinary readable tensor (offloading optimizers bring
         theirs back for a checkpoint); nothing to do by default."""

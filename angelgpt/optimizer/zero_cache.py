@@ -111,8 +111,11 @@ class ZeroCacheOptimizer(Optimizer):
     def zero_grad(self) -> None:
         self.gradients.zero_grad()
 
-    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **_):
-        return self.checkpoint.sharded_state_dict(model_sharded_state_dict, is_loading)
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, metadata=None, **_):
+        return self.checkpoint.sharded_state_dict(model_sharded_state_dict, is_loading, metadata)
+
+    def checkpoint_metadata(self) -> dict:
+        return self.checkpoint.metadata()
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.checkpoint.load_state_dict(state_dict)

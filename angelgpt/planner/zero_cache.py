@@ -27,7 +27,7 @@ from angelgpt.planner.memory import (accumulating, activation_bytes, grad_bytes,
                                      offloaded_activation_bytes, sub_group_numels)
 from angelgpt.planner.systemplan import SystemPlan, finish, world_and_dp
 from angelgpt.planner.timing import compute_s, forward_share, host_update_rates
-from angelgpt.zero_cache.placement import SLICE, STATES, place, prefetch_depth, training_reserve
+from angelgpt.zero_cache.placement import SLICE, place, prefetch_depth, state_bytes, training_reserve
 
 
 def _fetch_depth(cfg: Config, layer_numel: int) -> int:
@@ -55,6 +55,14 @@ def device_update_fraction(cfg: Config, hw: Machine, gpus_per_node: int) -> floa
     return round(device_rate / (device_rate + cpu_rate), 2)
 
 
+def states_per_element(cfg: Config, model_bytes: int = MODEL_BYTES):
+    """(remainders, bytes): whether the masters are kept as remainders beside bf16 weights
+    (optim.store_param_remainders, for a 2-byte model) and the bytes a chunk keeps per element."""
+    o = cfg.optim
+    remainders = bool(o.store_param_remainders) and model_bytes == 2
+    return remainders, state_bytes(remainders, o.exp_avg_dtype, o.exp_avg_sq_dtype)
+
+
 def rank_tier_bytes(cfg: Config, dp: int, dp_rank: int, rate: float, host_limit: float, use_nvme: bool,
                     model_bytes: int = MODEL_BYTES, pp_rank: int = 0, fraction: float = 0.0):
     """Chunk sizes, tiers and bytes per tier of one rank's ZeRO-Cache store, as the optimizer places them,
@@ -64,13 +72,14 @@ def rank_tier_bytes(cfg: Config, dp: int, dp_rank: int, rate: float, host_limit:
     params = rank_params(cfg, pp_rank)
     n_groups = len({p.sub_group for p in params})
     in_store = cfg.zero_cache.accumulate_in_store is True and cfg.num_microbatches(dp) > 1
+    remainders, states = states_per_element(cfg, model_bytes)
 
     def placed(rank, allowed=None):
         chunks = chunk_numels(params, dp, rank)
         groups, numels = [g for g, _ in chunks], [n for _, n in chunks]
         return (groups, numels, *place(groups, numels, n_groups, float(rate), host_limit, use_nvme,
                                        grad_bytes(cfg, dp, model_bytes), offload_params_on(cfg), in_store, allowed,
-                                       fraction, weight_bytes=model_bytes))
+                                       fraction, weight_bytes=model_bytes, states=states, remainders=remainders))
 
     allowed = None
     if dp > 1:  # a layer is offloaded on every rank or on none, as the optimizer agrees over DP
@@ -138,7 +147,7 @@ def plan_step(cfg: Config, hw: Machine, gpus_per_node: int, nodes: int, rate: fl
     cpu = cpu_work / cpu_shared if cpu_work <= cpu_shared * beside else beside + (
         cpu_work - cpu_shared * beside) / cpu_alone
     cpu = max(cpu, beside)
-    nvme_io = 2 * nvme_numel * STATES * 4 * gpus_per_node / (hw.nvme_gbs * 1e9)
+    nvme_io = 2 * nvme_numel * states_per_element(cfg)[1] * gpus_per_node / (hw.nvme_gbs * 1e9)
     network = 0.0
     if dp > 1:  # fp32 reduce-scatter in backward, bf16 all-gather before forward
         network = (dp - 1) / dp * model_numel * (4 + MODEL_BYTES) / (hw.net_gbps * 1e9)

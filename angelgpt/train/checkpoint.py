@@ -200,7 +200,9 @@ class Saver:
         dist.barrier()
         strategy = PlanningStrategy()
         with optimizer.materialized():
-            from angelgpt.optimizer.megatron import CHECKPOINT_METADATA as metadata
+            from angelgpt.optimizer.megatron import CHECKPOINT_METADATA
+
+            metadata = {**CHECKPOINT_METADATA, **optimizer.checkpoint_metadata()}
             dist_checkpointing.save(_state(model, optimizer, scheduler, iteration, consumed, loading=False,
                                            metadata=metadata),
                                     str(tmp), sharded_strategy=strategy, content_metadata=metadata)

@@ -1,9 +1,10 @@
 """The host chunks' AdamW: one pass over memory that reads the gradient (model dtype, or fp32 where
-micro batches add up in fp32) and writes the model-dtype weight beside the fp32 update (cpu_adam.c), built once per machine with the system C
+micro batches add up in fp32), updates the states in the dtypes they are kept in (precision.py) and
+writes the model-dtype weight beside the update (cpu_adam.c), built once per machine with the system C
 compiler and cached; torch's fused AdamW with conversions around it where no compiler is found.
 
     adam = CpuAdam.load("auto")            # None: use torch (no compiler, or 'torch' asked for)
-    adam.step(states, grad, out, step=3, lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, coef=1.0)
+    adam.step(rows, grad, out, step=3, lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, coef=1.0)
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import platform
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -78,8 +79,8 @@ class CpuAdam:
     def __init__(self, path: Path, threads: Optional[int] = None):
         lib = ctypes.CDLL(str(path))  # a CDLL call releases the GIL: the update thread runs beside training
         fn = lib.angelgpt_adamw
-        fp, vp, i, f = ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-        fn.argtypes = [fp, fp, fp, vp, i, vp, i, i, ctypes.c_int64, f, f, f, f, f, f, f, i]
+        vp, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+        fn.argtypes = [vp, vp, vp, vp, vp, vp, i, ctypes.c_int64, f, f, f, f, f, f, f, i]
         fn.restype = None
         self._fn = fn
         self.path = path
@@ -98,32 +99,46 @@ class CpuAdam:
                 raise CpuAdamUnavailable(str(e)) from e
             return None
 
-    def step(self, states: torch.Tensor, grad: torch.Tensor, out: Optional[torch.Tensor], *, step: int, lr: float,
-             weight_decay: float, betas: Tuple[float, float], eps: float, coef: float) -> None:
-        """One AdamW update of states [3, n] (fp32 master, exp_avg, exp_avg_sq; rows contiguous) from
-        grad [n] (bf16 or fp32) scaled by coef (clipping; >= 1 leaves it), writing the new weights into
-        out [n] (bf16 or fp32): a buffer of its own, grad itself (read before written; same dtype), or
-        None."""
+    def step(self, rows: Sequence[torch.Tensor], grad: torch.Tensor, out: Optional[torch.Tensor], *, step: int,
+             lr: float, weight_decay: float, betas: Tuple[float, float], eps: float, coef: float,
+             hi: Optional[torch.Tensor] = None) -> None:
+        """One AdamW update of rows (master, exp_avg, exp_avg_sq, each [n] and contiguous: an fp32 master,
+        or with hi the int16 remainder whose bf16 weights hi [n] make the fp32 master, both written back;
+        fp32 or bf16 moments) from grad [n] (bf16 or fp32) scaled by coef (clipping; >= 1 leaves it),
+        writing the new weights into out [n] (bf16 or fp32): a buffer of its own, grad itself (read
+        before written; same dtype), or None (with hi, the new weights are hi itself)."""
         n = grad.numel()
-        assert states.dtype == torch.float32 and states.shape[1] == n and states.stride(1) == 1
+        master, m, v = rows
+        assert all(r.numel() == n and r.is_contiguous() and not r.is_cuda for r in rows)
+        assert m.dtype in _MOMENTS and v.dtype in _MOMENTS
         assert grad.dtype in (torch.bfloat16, torch.float32) and grad.is_contiguous() and not grad.is_cuda
-        if out is None:
-            out_kind = 0
+        flags = _G_BF16 if grad.dtype == torch.bfloat16 else 0
+        flags |= (_M_BF16 if m.dtype == torch.bfloat16 else 0) | (_V_BF16 if v.dtype == torch.bfloat16 else 0)
+        if hi is not None:
+            assert master.dtype == torch.int16 and hi.dtype == torch.bfloat16 and hi.numel() == n \
+                and hi.is_contiguous() and not hi.is_cuda and out is None
+            flags |= _REM
         else:
+            assert master.dtype == torch.float32
+        if out is not None:
             assert out.dtype in (torch.bfloat16, torch.float32) and out.is_contiguous() and out.numel() == n \
                 and not out.is_cuda
             same = out.data_ptr() == grad.data_ptr()
             assert not same or out.dtype == grad.dtype, "out over the gradient in another dtype"
             assert same or not _overlap(out, grad), "out overlaps the gradient without being it"
-            out_kind = 2 if same else 1
+            flags |= (3 if same else 2 if out.dtype == torch.bfloat16 else 1) << _OUT_SHIFT
         step = float(step)
         bc1 = 1.0 - betas[0] ** step
         bc2_sqrt = math.sqrt(1.0 - betas[1] ** step)
         scale = 1.0 if coef >= 1.0 else 1.0 / coef  # as torch's grad_scale: the gradient is divided by it
-        self._fn(states[0].data_ptr(), states[1].data_ptr(), states[2].data_ptr(), grad.data_ptr(),
-                 int(grad.dtype == torch.bfloat16), 0 if out_kind != 1 else out.data_ptr(), out_kind,
-                 int(out is not None and out.dtype == torch.bfloat16), n,
+        self._fn(master.data_ptr(), 0 if hi is None else hi.data_ptr(), m.data_ptr(), v.data_ptr(), grad.data_ptr(),
+                 out.data_ptr() if out is not None and flags >> _OUT_SHIFT & 3 != 3 else 0, flags, n,
                  1.0 - lr * weight_decay, betas[0], betas[1], lr / bc1, bc2_sqrt, eps, scale, self.threads)
+
+
+# cpu_adam.c's flags
+_G_BF16, _OUT_SHIFT, _REM, _M_BF16, _V_BF16 = 1, 1, 8, 16, 32
+_MOMENTS = (torch.float32, torch.bfloat16)
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:

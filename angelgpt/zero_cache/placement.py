@@ -10,7 +10,9 @@ from __future__ import annotations
 import os
 from typing import Dict, List, Optional
 
-STATES = 3  # fp32 master weights, exp_avg, exp_avg_sq
+STATES = 3  # master weights, exp_avg, exp_avg_sq
+FP32_STATE_BYTES = STATES * 4  # a chunk element's states, all in fp32
+MOMENT_BYTES = {"fp32": 4, "bf16": 2}  # optim.exp_avg_dtype, optim.exp_avg_sq_dtype
 # elements updated at a time: the fp32 gradient scratch and the upload buffers hold one slice
 SLICE = int(os.environ.get("ANGELGPT_ZERO_CACHE_SLICE", 1 << 26))
 # elements a device update buffer holds (two of them: host chunks updated on the device stream through them)
@@ -22,8 +24,17 @@ CHUNK = int(os.environ.get("ANGELGPT_ZERO_CACHE_CHUNK", 1 << 28))
 # device slots that host chunks' running sums make their round trips through (accumulate_in_store): one
 # more than two lets a slot's trip home overlap the next layer's backward
 ACCUMULATION_SLOTS = 3
+# elements decoded into fp32 at a time where a chunk's states are not all fp32 (torch's AdamW: on the
+# device, and on the host without the one-pass kernel): three fp32 rows of this many per updating tier
+CODEC_SLICE = 1 << 22
 # of the device's memory, left free against fragmentation (the planner's margin and the optimizer's check)
 GPU_HEADROOM = 0.03
+
+
+def state_bytes(remainders: bool = False, exp_avg: str = "fp32", exp_avg_sq: str = "fp32") -> int:
+    """Bytes a chunk keeps per element: the master (fp32, or the 16-bit remainder that with the bf16
+    weight makes it: optim.store_param_remainders) and the two moments in their dtypes."""
+    return (2 if remainders else 4) + MOMENT_BYTES[exp_avg] + MOMENT_BYTES[exp_avg_sq]
 
 
 def slices(numel: int, size: int = SLICE):
@@ -76,31 +87,39 @@ def plan_tiers(chunk_bytes: List[int], rate: float, host_limit: int, nvme_enable
     return tiers
 
 
-def tier_bytes(numels: List[int], tiers: List[str], grad_bytes: int) -> Dict[str, int]:
-    """Bytes each tier holds for chunks of these sizes and tiers: fp32 states where the chunk lives, its
-    gradient on the device (device chunks) or host, one fp32 update scratch per updating tier, NVMe
-    staging (two buffers of the largest NVMe chunk's states) on the host. The planner uses this too."""
+def tier_bytes(numels: List[int], tiers: List[str], grad_bytes: int,
+               states: int = FP32_STATE_BYTES) -> Dict[str, int]:
+    """Bytes each tier holds for chunks of these sizes and tiers: the states (`states` bytes an
+    element: state_bytes) where the chunk lives, its gradient on the device (device chunks) or host,
+    one fp32 update scratch per updating tier (and, where the states are not all fp32, three fp32 rows
+    to decode them into), NVMe staging (two buffers of the largest NVMe chunk's states) on the host.
+    The planner uses this too."""
     need = {"device": 0, "host": 0, "nvme": 0}
     for n, t in zip(numels, tiers):
-        need[t] += STATES * 4 * n
+        need[t] += states * n
         need["device" if t == "device" else "host"] += grad_bytes * n
     for tier, members in (("device", ("device",)), ("host", ("host", "nvme"))):
         sizes = [n for n, t in zip(numels, tiers) if t in members]
         if sizes:
             need[tier] += 4 * min(max(sizes), SLICE)  # fp32 gradient scratch of the slice being updated
+            if states != FP32_STATE_BYTES:
+                need[tier] += STATES * 4 * min(max(sizes), CODEC_SLICE)
     nvme = [n for n, t in zip(numels, tiers) if t == "nvme"]
     if nvme:
-        need["host"] += 2 * STATES * 4 * max(nvme)
+        need["host"] += 2 * states * max(nvme)
     return need
 
 
-def host_room_for_states(host_limit: float, numels: List[int], grad_bytes: int, nvme_enabled: bool) -> float:
+def host_room_for_states(host_limit: float, numels: List[int], grad_bytes: int, nvme_enabled: bool,
+                         states: int = FP32_STATE_BYTES) -> float:
     """Host bytes left for chunk states once the host's fixed share is set aside: every off-device
     gradient (at most all of them), the update scratch and, with NVMe, its two staging buffers."""
     largest = max(numels, default=0)
     fixed = sum(n * grad_bytes for n in numels) + 4 * min(largest, SLICE)
+    if states != FP32_STATE_BYTES:
+        fixed += STATES * 4 * min(largest, CODEC_SLICE)
     if nvme_enabled:
-        fixed += 2 * STATES * 4 * largest
+        fixed += 2 * states * largest
     return host_limit - fixed
 
 
@@ -150,12 +169,14 @@ def accumulation_bytes(groups: List[int], numels: List[int], tiers: List[str], g
     return grad_bytes * ACCUMULATION_SLOTS * largest_off_device_group(groups, numels, tiers)
 
 
-def own_weight_buffers(accumulate_in_store: bool, grad_bytes: int, weight_bytes: int) -> bool:
+def own_weight_buffers(accumulate_in_store: bool, grad_bytes: int, weight_bytes: int,
+                       remainders: bool = False) -> bool:
     """Do offloaded layers keep their weights in buffers of their own? Yes when their gradient buffers
     fill from the first micro batch on (accumulating in the store, while later micro batches still fetch
-    the weights) or hold another dtype than the weights (fp32 gradients); else the weights wait in the
-    gradient buffer until the last backward's gradients replace them."""
-    return accumulate_in_store or grad_bytes != weight_bytes
+    the weights), hold another dtype than the weights (fp32 gradients), or the weights are the master's
+    high half (optim.store_param_remainders: they must outlive the backward); else the weights wait in
+    the gradient buffer until the last backward's gradients replace them."""
+    return accumulate_in_store or grad_bytes != weight_bytes or remainders
 
 
 def largest_off_device_group(groups: List[int], numels: List[int], tiers: List[str]) -> int:
@@ -185,18 +206,27 @@ def device_updated(groups: List[int], numels: List[int], tiers: List[str], flags
     return out
 
 
-def device_update_bytes(numels: List[int], streamed: List[bool], grad_bytes: int) -> int:
+def device_update_bytes(numels: List[int], streamed: List[bool], grad_bytes: int,
+                        states: int = FP32_STATE_BYTES) -> int:
     """Device memory of the two device update buffers (none when no chunk is updated there): fp32
-    master, exp_avg, exp_avg_sq and gradient, and, where the store's gradients are not fp32, the
-    gradient as it arrives in their dtype (an fp32 gradient arrives in its row directly)."""
+    master, exp_avg, exp_avg_sq and gradient, where the store's gradients are not fp32 the gradient as
+    it arrives in their dtype (an fp32 gradient arrives in its row directly), and where the states are
+    not all fp32 the states as they arrive (`states` bytes an element), decoded on the device."""
     largest = max((n for n, s in zip(numels, streamed) if s), default=0)
-    arriving = grad_bytes if grad_bytes != 4 else 0
-    return 2 * ((STATES + 1) * 4 + arriving) * min(largest, DEVICE_UPDATE_SLICE)
+    arriving = (grad_bytes if grad_bytes != 4 else 0) + (states if states != FP32_STATE_BYTES else 0)
+    return 2 * ((STATES + 1) * 4 + arriving) * device_update_elements(largest)
+
+
+def device_update_elements(largest: int) -> int:
+    """Elements a device update buffer holds for a largest streamed chunk of `largest` elements (a
+    multiple of 8, so every part of the buffers stays aligned to its dtype)."""
+    return -(-min(largest, DEVICE_UPDATE_SLICE) // 8) * 8
 
 
 def place(groups: List[int], numels: List[int], n_groups: int, rate: float, host_limit: float, nvme_enabled: bool,
           grad_bytes: int, offload_params: bool, accumulate_in_store: bool = False, allowed=None,
-          device_update_fraction: float = 0.0, weight_bytes: Optional[int] = None):
+          device_update_fraction: float = 0.0, weight_bytes: Optional[int] = None,
+          states: int = FP32_STATE_BYTES, remainders: bool = False):
     """Tiers per chunk, offloaded-weights flag per sub-group, bytes per tier, and per chunk whether the
     device updates it (`device_updated`). With NVMe, what the host cannot hold goes there: the host
     budget for states shrinks until everything on the host (states, gradients, scratch, staging) fits,
@@ -205,24 +235,26 @@ def place(groups: List[int], numels: List[int], n_groups: int, rate: float, host
     buffer (the last backward reads them before its gradients land there, and the update writes the
     new weights back), or in a pinned buffer of their own (own_weight_buffers). Host chunks updated on
     the device (`device_updated`) need two update buffers on the device, which share their memory with
-    the accumulation slots. weight_bytes defaults to grad_bytes."""
+    the accumulation slots. weight_bytes defaults to grad_bytes; `states`: the bytes a chunk keeps per
+    element (state_bytes); `remainders`: the masters are remainders beside the weights
+    (optim.store_param_remainders), which offloaded layers then keep in buffers of their own."""
     weight_bytes = grad_bytes if weight_bytes is None else weight_bytes
-    separate = own_weight_buffers(accumulate_in_store, grad_bytes, weight_bytes)
-    room = host_room_for_states(host_limit, numels, grad_bytes, nvme_enabled)
+    separate = own_weight_buffers(accumulate_in_store, grad_bytes, weight_bytes, remainders)
+    room = host_room_for_states(host_limit, numels, grad_bytes, nvme_enabled, states)
     fitting, last = None, None  # the last placement that fits; the tiers of the pass before
     for _ in range(4 * len(numels) + 4):  # each pass moves a chunk between host and NVMe, or stops
-        tiers = plan_tiers([n * 4 * STATES for n in numels], rate, room, nvme_enabled)
+        tiers = plan_tiers([n * states for n in numels], rate, room, nvme_enabled)
         flags = offloaded_layers(groups, tiers, n_groups, offload_params)
         if allowed is not None:  # over DP a layer is offloaded on every rank or on none
             flags = [f and a for f, a in zip(flags, allowed)]
-        need = tier_bytes(numels, tiers, grad_bytes)
+        need = tier_bytes(numels, tiers, grad_bytes, states)
         if separate:  # offloaded layers' weights in buffers of their own, else in their gradient buffers
             need["host"] += weight_bytes * sum(n for g, n in zip(groups, numels) if flags[g])
         slots = accumulation_bytes(groups, numels, tiers, grad_bytes) if accumulate_in_store else 0
         # the accumulation slots and the device update buffers share one device buffer: the update runs
         # between the last backward and the next forward, the round trips during later backward passes
         streamed = device_updated(groups, numels, tiers, flags, device_update_fraction)
-        need["device"] += max(slots, device_update_bytes(numels, streamed, grad_bytes))
+        need["device"] += max(slots, device_update_bytes(numels, streamed, grad_bytes, states))
         over = need["host"] - host_limit
         if not nvme_enabled:
             return tiers, flags, need, streamed
@@ -231,6 +263,6 @@ def place(groups: List[int], numels: List[int], n_groups: int, rate: float, host
         if tiers == last or (over > 0 and (fitting or room <= 0)) or (over <= 0 and "nvme" not in tiers):
             return fitting or (tiers, flags, need, streamed)
         # next pass: the host states that were placed, less what is over the limit or plus what is free
-        room = sum(STATES * 4 * n for n, t in zip(numels, tiers) if t == "host") - over
+        room = sum(states * n for n, t in zip(numels, tiers) if t == "host") - over
         last = tiers
     return fitting or (tiers, flags, need, streamed)

@@ -1,10 +1,12 @@
 """Checkpoint state: the optimizer's states as Megatron dist_checkpointing sharded tensors, saved from
 and loaded into the tiers in place.
 
-Per owned parameter: fp32 master, exp_avg, exp_avg_sq, each a ShardedTensor shaped like the
-parameter and keyed against the model's sharded tensor, so a checkpoint loads into any placement
-(rate, tiers) and any ownership. The tensors are views of the chunks' states where they live (an
-NVMe chunk's file mapped into memory): no tier is copied whole into host memory.
+Per owned parameter: master, exp_avg, exp_avg_sq, each a ShardedTensor shaped like the parameter and
+keyed against the model's sharded tensor, so a checkpoint loads into any placement (rate, tiers) and
+any ownership. The tensors are views of the chunks' states where they live (an NVMe chunk's file
+mapped into memory): no tier is copied whole into host memory. They keep the store's format
+(precision.py: fp32 master or its remainder, fp32 or bf16 moments), recorded in the checkpoint's
+metadata; a checkpoint of another format loads and is converted.
 
 Owns: the states a load writes into (``_loading``) and the model key of each owned parameter.
 Touches: the chunks' states, NVMe files and step counters, an offloaded layer's ``weights``, the
@@ -15,10 +17,11 @@ weights part's ``all_gather(gi)`` after a load over DP.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Optional
 
 import torch
 
-from angelgpt.zero_cache.placement import STATES
+from angelgpt.zero_cache.precision import StateFormat, join_master, split_master
 from angelgpt.zero_cache.store import Chunk, Store
 
 
@@ -27,23 +30,33 @@ class CheckpointState:
         self.store, self.weights, self.update = store, weights, update
         self.chunks, self.sub_groups, self.partitioned = store.chunks, store.sub_groups, store.partitioned
         self.dp_size, self.shape = store.dp_size, store.shape
+        self.format = store.format
         self._n = store._n
-        self._loading = {}  # id(chunk) -> the states a checkpoint load writes into in place
+        self._loading = {}  # id(chunk) -> the rows a checkpoint load writes into
+        self._loading_format = store.format  # the format of the checkpoint being loaded
         self._model_key = {}
 
-    def _chunk_states(self, c: Chunk, writable: bool = False) -> torch.Tensor:
-        """A chunk's [STATES, numel] states where they live: an NVMe chunk's file mapped into memory, so
-        a checkpoint reads (or, writable, loads into) it page by page without a host copy of it."""
+    def metadata(self) -> dict:
+        """What a checkpoint records beside the tensors: the format the states are saved in."""
+        return self.format.as_metadata()
+
+    def _chunk_states(self, c: Chunk, writable: bool = False):
+        """A chunk's state rows where they live: an NVMe chunk's file mapped into memory, so a checkpoint
+        reads (or, writable, loads into) it page by page without a host copy of it."""
         if c.tier != "nvme":
             return c.states
-        return torch.from_file(str(c.file), shared=writable, size=STATES * c.numel,
-                               dtype=torch.float32).view(STATES, c.numel)
+        raw = torch.from_file(str(c.file), shared=writable, size=self.format.bytes * c.numel, dtype=torch.uint8)
+        return self.store.rows(raw, c.numel)
 
-    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **_):
-        """Per owned parameter: fp32 master, exp_avg, exp_avg_sq as ShardedTensors shaped like the
-        parameter, so a checkpoint loads into any placement (rate, tiers) and any ownership. The tensors
-        are views of the states in their tiers (saved from there, and loaded into them in place): no
-        tier is copied whole into host memory. The next step updates them in place: an asynchronous
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False,
+                           metadata: Optional[dict] = None):
+        """Per owned parameter: master, exp_avg, exp_avg_sq as ShardedTensors shaped like the parameter,
+        so a checkpoint loads into any placement (rate, tiers) and any ownership. The tensors are views
+        of the states in their tiers (saved from there, and loaded into them in place): no tier is copied
+        whole into host memory. They are saved in the store's format (the master as 'master', fp32, or
+        as 'master_remainder' beside the model's bf16 weights; the moments in their dtypes), named in the
+        checkpoint's metadata; a load from another format (`metadata`: the checkpoint's) reads into host
+        tensors of that format and converts. The next step updates them in place: an asynchronous
         save (checkpoint.async_save) copies what it writes into host memory before returning to
         training (angelgpt/train/checkpoint_writer.py), a synchronous one has written them by then."""
 
@@ -54,6 +67,7 @@ class CheckpointState:
 
         self.update.wait_all()
         self._loading = {}
+        saved = StateFormat.from_metadata(metadata) if is_loading else self.format
         owned = [p for c in self.chunks for p in c.params]
         id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, iter(owned))
         index = {id(p): i for i, p in enumerate(owned)}
@@ -62,41 +76,63 @@ class CheckpointState:
                            for i, p in enumerate(owned)}
         state = {}
         for c in self.chunks:
-            flat = self._chunk_states(c, writable=is_loading)
+            rows = self._chunk_states(c, writable=is_loading)
+            if saved != self.format:  # loaded into host tensors of the saved format, converted after
+                rows = [torch.empty(c.numel, dtype=dtype) for dtype in saved.dtypes]
             if is_loading:
-                self._loading[id(c)] = flat
+                self._loading[id(c)] = rows
             for i, p in enumerate(c.params):
                 model_ten = id_map[index[id(p)]]
                 replica = model_ten.replica_id
                 replica = (*replica[:-1], 0) if isinstance(replica, tuple) else 0  # the owner is the main replica
-                for k, name in enumerate(("master", "exp_avg", "exp_avg_sq")):
-                    view = flat[k][c.offsets[i]:c.offsets[i] + self._n(p)].view(self.shape[id(p)])
+                for k, name in enumerate(saved.names):
+                    view = rows[k][c.offsets[i]:c.offsets[i] + self._n(p)].view(self.shape[id(p)])
                     ten = make_sharded_optimizer_tensor(model_ten, view,
                                                         prefix=f"optimizer.zero_cache.{name}")
                     state[f"{name}.{self._model_key[id(p)]}"] = replace(ten, replica_id=replica)
         step = float(self.chunks[0].step) if self.chunks else 0.0
+        self._loading_format = saved
         return {"state": state, "common_step": step}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Takes what dist_checkpointing loaded for sharded_state_dict(..., is_loading=True)."""
+        """Takes what dist_checkpointing loaded for sharded_state_dict(..., is_loading=True), after the
+        model's weights (with remainders, the masters' high half) were loaded."""
         self.update.wait_all()
         tensors = state_dict["state"]
         step = float(state_dict["common_step"])
+        saved = self._loading_format  # the format sharded_state_dict(..., is_loading=True) asked for
         loading, self._loading = self._loading, {}
+        fmt = self.format
         for c in self.chunks:
-            flat = loading.get(id(c))
-            if flat is None:
-                flat = self._chunk_states(c, writable=True)
+            dst = self._chunk_states(c, writable=True)
+            rows = loading.get(id(c), dst)
             for p, off in zip(c.params, c.offsets):
                 key = self._model_key[id(p)]
-                for k, name in enumerate(("master", "exp_avg", "exp_avg_sq")):
-                    dst, src = flat[k][off:off + self._n(p)], tensors[f"{name}.{key}"].reshape(-1)
-                    if src.data_ptr() != dst.data_ptr():  # loaded elsewhere than in place
-                        dst.copy_(src)
+                for k, name in enumerate(saved.names):
+                    into, src = rows[k][off:off + self._n(p)], tensors[f"{name}.{key}"].reshape(-1)
+                    if src.data_ptr() != into.data_ptr():  # loaded elsewhere than in place
+                        into.copy_(src)
+            if fmt.remainders:  # the model's loaded weights are the masters' high half
+                for p, view in c.views(c.hi):
+                    if p.numel() and p.data.data_ptr() != view.data_ptr():
+                        view.copy_(p.data.reshape(view.shape))
+            if saved != fmt:
+                master = rows[0].float() if not saved.remainders else join_master(
+                    self._weights(c), rows[0], torch.empty(c.numel, dtype=torch.float32))
+                if fmt.remainders:
+                    hi = c.hi.cpu()
+                    split_master(master, hi, dst[0])
+                    c.hi.copy_(hi)
+                else:
+                    dst[0].copy_(master)
+                dst[1].copy_(rows[1])
+                dst[2].copy_(rows[2])
             c.step.fill_(step)
+            if fmt.remainders:
+                continue  # the params are views of c.hi, or refetched from it (an offloaded layer)
             if c.weights is not None:
-                c.weights.copy_(flat[0])
-            for p, view in c.views(flat[0]):
+                c.weights.copy_(dst[0])
+            for p, view in c.views(dst[0]):
                 if p.numel():  # a released (offloaded) weight is refetched from c.weights
                     p.data.copy_(view)
         if self.dp_size > 1:
@@ -104,3 +140,7 @@ class CheckpointState:
                 if not self.partitioned[gi]:
                     self.weights.all_gather(gi)
 
+    @staticmethod
+    def _weights(c: Chunk) -> torch.Tensor:
+        """The chunk's owned params' weights as loaded into the model, flat on the host (bf16)."""
+        return torch.cat([p.detach().reshape(-1).cpu() for p in c.params])

@@ -31,9 +31,12 @@ from angelgpt.optimizer import no_weight_decay
 from angelgpt.parallel.log import EVERY_RANK, get_logger
 from angelgpt.zero_cache.cpu_adam import CpuAdam, CpuAdamUnavailable
 from angelgpt.zero_cache.pipeline import Profile, Streams
-from angelgpt.zero_cache.placement import (ACCUMULATION_SLOTS, DEVICE_UPDATE_SLICE, GPU_HEADROOM, SLICE, STATES,
-                                           accumulation_bytes, chunk_runs, device_update_bytes, largest_off_device_group,
-                                           own_weight_buffers, partition, place, prefetch_depth, training_reserve)
+from angelgpt.zero_cache.placement import (ACCUMULATION_SLOTS, CODEC_SLICE, GPU_HEADROOM, SLICE,
+                                           STATES, accumulation_bytes, chunk_runs, device_update_bytes,
+                                           device_update_elements, largest_off_device_group,
+                                           own_weight_buffers, partition, place,
+                                           prefetch_depth, training_reserve)
+from angelgpt.zero_cache.precision import StateFormat, join_master
 from angelgpt.zero_cache.tiers import (GIB, DeviceTier, HostTier, NVMeTier, available_bytes, check_capacity,
                                        check_memlock, device_memory)
 
@@ -92,7 +95,13 @@ class Chunk:
     numel: int = 0
     offsets: List[int] = field(default_factory=list)
     shapes: List[torch.Size] = field(default_factory=list)  # the params' shapes (a released param is empty)
-    states: Optional[torch.Tensor] = None  # [3, numel] fp32: master, exp_avg, exp_avg_sq (device/host tiers)
+    # master, exp_avg, exp_avg_sq (device/host tiers): [3, numel] fp32, or their rows in the store's
+    # format (Store.format: views of `raw`)
+    states: Optional[object] = None
+    raw: Optional[torch.Tensor] = None  # the bytes the states live in (device/host tiers)
+    # the bf16 weights whose remainders the master row holds (optim.store_param_remainders): the owned
+    # params' weights are views of it (a resident layer's, on the device) or it is `weights`
+    hi: Optional[torch.Tensor] = None
     file: Optional[object] = None  # NVMe tier
     grad: Optional[torch.Tensor] = None  # [numel], Store.grad_dtype: reduced and owned (device tier, else host)
     grad_ready: Optional[object] = None  # CUDA event: the gradient's D2H copy is done
@@ -171,6 +180,8 @@ class Store:
                                              for gi in range(len(self.sub_groups))]
         self.slot_of = {id(p): (c, off) for c in self.chunks for p, off in zip(c.params, c.offsets)}  # owned params
         self.model_dtype = self.params[0].dtype
+        # how the chunks keep their states (optim.store_param_remainders, exp_avg_dtype, exp_avg_sq_dtype)
+        self.format = StateFormat.from_config(o, self.model_dtype)
         # the dtype micro batches' gradients add up in (optim.accumulate_grads_in_fp32): the store's
         # gradient buffers and accumulation slots; with one micro batch nothing adds up (model dtype)
         fp32 = o.accumulate_grads_in_fp32 and self.num_microbatches > 1
@@ -196,7 +207,8 @@ class Store:
         groups = [c.group for c in self.chunks]
         args = (groups, numels, len(self.sub_groups), self.rate, avail["host"],
                 bool(zc.nvme_path), grad_bytes, self.offload_params, self.accumulate)
-        kw = {"device_update_fraction": self.device_update_fraction, "weight_bytes": weight_bytes}
+        kw = {"device_update_fraction": self.device_update_fraction, "weight_bytes": weight_bytes,
+              "states": self.format.bytes, "remainders": self.format.remainders}
         tiers, flags, needed, streamed = place(*args, **kw)
         if self.dp_size > 1:  # a layer is fetched (and all-gathered) on every rank or on none
             t = torch.tensor([float(f) for f in flags], device=self.device)
@@ -225,7 +237,7 @@ class Store:
                                               for p in self.sub_groups[gi] if p.is_meta)
         if not zc.nvme_path:
             needed.pop("nvme")
-        self.own_weights = own_weight_buffers(self.accumulate, grad_bytes, weight_bytes)
+        self.own_weights = own_weight_buffers(self.accumulate, grad_bytes, weight_bytes, self.format.remainders)
 
         def check():
             check_capacity(needed, avail)
@@ -234,7 +246,7 @@ class Store:
                 off = sum(c.numel for c, t in zip(self.chunks, tiers) if t != "device")
                 own_weights = sum(c.numel for c in self.chunks if flags[c.group]) if self.own_weights else 0
                 streamed = sum(c.numel for c in self.chunks if c.device_update)
-                check_memlock(grad_bytes * off + weight_bytes * own_weights + STATES * 4 * streamed)
+                check_memlock(grad_bytes * off + weight_bytes * own_weights + self.format.bytes * streamed)
 
         refuse_together(check, self.rehearsal)
         self.planned_bytes = needed
@@ -270,9 +282,12 @@ class Store:
             self.tiers["nvme"] = self.nvme
         sizes = {t: [c.numel for c in self.chunks if (c.tier == "device") == (t == "device")] for t in ("device", "host")}
         self.scratch = {t: self.tiers[t].allocate(min(max(n), SLICE)) for t, n in sizes.items() if n}
+        # states not all fp32: three fp32 rows to decode a slice into for torch's AdamW
+        self.work = {t: self.tiers[t].allocate(STATES * min(max(n), CODEC_SLICE)).view(STATES, -1)
+                     for t, n in sizes.items() if n and not self.format.fp32}
         nvme_sizes = [c.numel for c in self.chunks if c.tier == "nvme"]
         if nvme_sizes:
-            self.tiers["host"].bytes += self.nvme.reserve_staging(STATES * max(nvme_sizes))
+            self.tiers["host"].bytes += self.nvme.reserve_staging(self.format.bytes * max(nvme_sizes))
         upload = [c.numel for c in self.chunks
                   if c.tier != "device" and not self.partitioned[c.group] and not c.device_update]
         # two pinned buffers in the model dtype carry updated weights to the device (double buffered)
@@ -288,7 +303,9 @@ class Store:
                 release(gi)
 
     def _allocate_chunk(self, c: Chunk) -> None:
-        """One chunk: its gradient buffer (holding the owned weights first), step counter and states."""
+        """One chunk: its gradient buffer (holding the owned weights first), step counter and states.
+        With remainders the master starts as the weights (remainder 0): an offloaded layer's in its
+        weight buffer, a resident layer's in a flat device buffer that the params become views of."""
         grad_tier = self.tiers["device" if c.tier == "device" else "host"]
         c.grad = grad_tier.allocate(c.numel, self.grad_dtype, pinned=True)
         step_device = self.device if c.tier == "device" or c.device_update else torch.device("cpu")
@@ -297,18 +314,44 @@ class Store:
         for p, view in c.views(c.grad):
             view.copy_(p.detach())
         if self.partitioned[c.group] and self.own_weights:  # gradients arrive from the first micro batch
-            c.weights = self.tiers["host"].allocate(c.numel, self.model_dtype, pinned=True)  # on, or are fp32
-            c.weights.copy_(c.grad)
+            c.weights = self.tiers["host"].allocate(c.numel, self.model_dtype, pinned=True)  # on, are fp32,
+            c.weights.copy_(c.grad)                                                          # or the masters'
         elif self.partitioned[c.group]:
             c.weights = c.grad  # holds the weights until the last backward's gradients replace them
+        fmt = self.format
+        if fmt.remainders:
+            if self.partitioned[c.group]:
+                c.hi = c.weights
+            else:
+                # (the weights the model had: not store bytes, as the planner counts them)
+                c.hi = torch.empty(c.numel, dtype=self.model_dtype, device=self.device)
+                for p, view in c.views(c.hi):
+                    view.copy_(p.detach())
+                    p.data = view
         if c.tier == "nvme":
-            c.file = self.nvme.create(c.key, STATES * c.numel)
-            staging = self.nvme.staging(0, STATES * c.numel).zero_()
-            staging[:c.numel].copy_(c.grad)
+            c.file = self.nvme.create(c.key, fmt.bytes * c.numel)
+            staging = self.nvme.staging(0, fmt.bytes * c.numel).zero_()
+            if not fmt.remainders:
+                fmt.rows(staging, c.numel)[0].copy_(c.grad)
             NVMeTier.write(c.file, staging)
         else:
-            c.states = self.tiers[c.tier].allocate(STATES * c.numel, pinned=c.device_update).view(STATES, c.numel)
-            c.states[0].copy_(c.grad)
+            c.raw = self.tiers[c.tier].allocate(fmt.bytes * c.numel, torch.uint8, pinned=c.device_update)
+            c.states = self.rows(c.raw, c.numel)
+            if not fmt.remainders:
+                c.states[0].copy_(c.grad)
+
+    def rows(self, raw: torch.Tensor, n: int):
+        """A chunk's states in raw bytes: [3, n] fp32 where the format is all fp32, else its typed rows."""
+        if self.format.fp32:
+            return raw.view(torch.float32).view(STATES, n)
+        return self.format.rows(raw, n)
+
+    def master(self, c: Chunk, states=None) -> torch.Tensor:
+        """The chunk's fp32 master weights (decoded where kept as remainders), on the host."""
+        states = c.states if states is None else states
+        if not self.format.remainders:
+            return states[0].detach().cpu().clone()
+        return join_master(c.hi.cpu(), states[0].cpu(), torch.empty(c.numel, dtype=torch.float32))
 
     def _allocate_shared(self) -> None:
         """One device buffer for what never runs at once: the accumulation slots that host chunks'
@@ -324,17 +367,25 @@ class Store:
         dtype = self.grad_dtype
         size = dtype.itemsize
         slot = largest_off_device_group(groups, numels, tiers) if self.accumulate else 0
-        n = min(max((c.numel for c in self.chunks if c.device_update), default=0), DEVICE_UPDATE_SLICE)
+        n = device_update_elements(max((c.numel for c in self.chunks if c.device_update), default=0))
         # the sizes placement counts: the slots, or the update buffers, whichever is larger
         slots_bytes = accumulation_bytes(groups, numels, tiers, size) if self.accumulate else 0
-        nbytes = max(slots_bytes, device_update_bytes(numels, streamed, size))
+        nbytes = max(slots_bytes, device_update_bytes(numels, streamed, size, self.format.bytes))
         pool = self.tiers["device"].allocate(nbytes, torch.uint8) if nbytes else None
         self.acc_slots = [pool[i * slot * size:(i + 1) * slot * size].view(dtype)
                           for i in range(ACCUMULATION_SLOTS)] if slot else []
         states = (STATES + 1) * 4 * n
+        arriving = size if dtype != torch.float32 else 0
+        packed = self.format.bytes if not self.format.fp32 else 0
+        tail = 2 * states  # then, per buffer, the gradient and the states as they arrive
+
+        def part(j, off, nbytes):
+            lo = tail + j * (arriving + packed) * n + off
+            return pool[lo:lo + nbytes]
+
         self.update_bufs = [(pool[j * states:(j + 1) * states].view(torch.float32).view(STATES + 1, n),
-                             pool[2 * states + j * n * size:2 * states + (j + 1) * n * size].view(dtype)
-                             if dtype != torch.float32 else None)
+                             part(j, 0, n * size).view(dtype) if arriving else None,
+                             self.format.rows(part(j, arriving * n, packed * n), n) if packed else None)
                             for j in range(2)] if n else []
         self.update_free = [None, None]
 
@@ -353,7 +404,12 @@ class Store:
                 f"owned parameters' states on device {owned['device']:,}, host {owned['host']:,}, nvme "
                 f"{owned['nvme']:,}; host states updated on the device {on_device:,} "
                 f"(device_update_fraction {self.device_update_fraction:.2f}); CPU AdamW "
-                f"{'native' if self.cpu_adam else 'torch'}")
+                f"{'native' if self.cpu_adam else 'torch'}; states {self._format_line()}")
+
+    def _format_line(self) -> str:
+        f = self.format
+        master = "bf16 weight + int16 remainder" if f.remainders else "fp32 master"
+        return f"{master}, exp_avg {f.exp_avg}, exp_avg_sq {f.exp_avg_sq} ({f.bytes} bytes an element)"
 
     def allocated_bytes(self) -> Dict[str, int]:
         """Bytes each tier actually holds (chunk states, owned gradients, scratch and staging)."""

@@ -1,6 +1,6 @@
 """The three tiers of the ZeRO-Cache store: the compute device, (pinned) host memory, NVMe files.
 
-A tier hands out flat fp32 chunk buffers and says how many bytes it holds. The device tier is the
+A tier hands out flat chunk buffers and says how many bytes it holds. The device tier is the
 compute device, whatever it is (CUDA, or CPU standing in for it); the host tier pins its buffers
 when CUDA is present; the NVMe tier keeps each chunk in its own file and is read into (and written
 back from) two reusable host staging buffers.
@@ -122,24 +122,25 @@ class NVMeTier:
             probe = probe.parent
         return shutil.disk_usage(probe).free
 
-    def create(self, key: str, numel: int) -> Path:
+    def create(self, key: str, nbytes: int) -> Path:
         file = self.dir / f"{key}.bin"
         with open(file, "wb") as fh:
-            fh.truncate(numel * 4)
-        self.bytes += numel * 4
+            fh.truncate(nbytes)
+        self.bytes += nbytes
         return file
 
-    def reserve_staging(self, numel: int) -> int:
+    def reserve_staging(self, nbytes: int) -> int:
         """Allocates the two staging buffers (host memory, pageable: the CPU updates them) once; returns bytes."""
-        self._staging = [torch.zeros(numel, dtype=torch.float32) for _ in range(2)]
-        return 2 * numel * 4
+        self._staging = [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(2)]
+        return 2 * nbytes
 
-    def staging(self, slot: int, numel: int) -> torch.Tensor:
+    def staging(self, slot: int, nbytes: int) -> torch.Tensor:
+        """Bytes of staging buffer slot (grown when a chunk needs more)."""
         while len(self._staging) <= slot:
-            self._staging.append(torch.empty(0, dtype=torch.float32))
-        if self._staging[slot].numel() < numel:
-            self._staging[slot] = torch.empty(numel, dtype=torch.float32)
-        return self._staging[slot][:numel]
+            self._staging.append(torch.empty(0, dtype=torch.uint8))
+        if self._staging[slot].numel() < nbytes:
+            self._staging[slot] = torch.empty(nbytes, dtype=torch.uint8)
+        return self._staging[slot][:nbytes]
 
     # Linux moves at most 0x7ffff000 bytes per read/write call: larger chunks take several calls.
     IO_BLOCK = 1 << 30

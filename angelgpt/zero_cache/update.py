@@ -27,7 +27,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from angelgpt.optimizer import clip_coefficient
-from angelgpt.zero_cache.placement import DEVICE_UPDATE_SLICE, STATES, slices
+from angelgpt.zero_cache.placement import CODEC_SLICE, DEVICE_UPDATE_SLICE, STATES, slices
+from angelgpt.zero_cache.precision import decode, encode
 from angelgpt.zero_cache.store import Chunk, Store
 from angelgpt.zero_cache.tiers import NVMeTier
 
@@ -45,7 +46,8 @@ class Update:
         self.param_groups = store.param_groups
         self.chunks, self.chunks_of, self.sub_groups = store.chunks, store.chunks_of, store.sub_groups
         self.partitioned, self.cpu_adam = store.partitioned, store.cpu_adam
-        self.nvme, self.scratch = store.nvme, store.scratch
+        self.nvme, self.scratch, self.work = store.nvme, store.scratch, store.work
+        self.format = store.format
         self._upload, self._update_bufs, self._update_free = store.upload, store.update_bufs, store.update_free
         self._upload_done, self._slot = [None, None], 0  # which upload buffer comes next
         self._update_slot = 0  # which device update buffer comes next
@@ -97,33 +99,54 @@ class Update:
             self.profile.exposed("step", time.perf_counter() - t0)
         return True, norm, None
 
-    def _adamw(self, c: Chunk, states: torch.Tensor, grad: torch.Tensor, hyper, coef: float) -> None:
-        """AdamW where the chunk lives. On the CPU the one-pass kernel where it was built (every CPU
-        update uses it: placements agree); else torch's fused AdamW (fp32 gradient), clipping riding in
-        the kernel (grad_scale divides the gradient), so it costs no extra pass over memory."""
+    def _adamw(self, c: Chunk, states, grad: torch.Tensor, hyper, coef: float, hi=None) -> None:
+        """AdamW where the chunk lives, of its states' rows (a slice of each, in the store's format; hi:
+        the slice's bf16 weights where the master row holds remainders). On the CPU the one-pass kernel
+        where it was built (every CPU update uses it: placements agree); else torch's fused AdamW (fp32
+        gradient), clipping riding in the kernel (grad_scale divides the gradient), so it costs no extra
+        pass over memory; states not all fp32 are decoded into fp32 rows (store.work) a part at a time
+        and encoded back."""
         if self.cpu_adam is not None and not grad.is_cuda:
-            return self._native_adamw(c, states, grad, hyper, coef)
+            return self._native_adamw(c, states, grad, hyper, coef, hi=hi)
+        if self.format.fp32:
+            return self._fused_adamw(c, states, grad, hyper, coef)
+        work = self.work["device" if grad.device.type == self.device.type and c.tier == "device" else "host"]
+        for a, b in slices(grad.numel(), min(CODEC_SLICE, work.shape[1])):
+            rows, w, part = [r[a:b] for r in states], work[:, :b - a], None if hi is None else hi[a:b]
+            decode(self.format, rows, part, w)
+            self._fused_adamw(c, w, grad[a:b], hyper, coef)
+            encode(self.format, w, rows, part)
+
+    def _fused_adamw(self, c: Chunk, states, grad: torch.Tensor, hyper, coef: float) -> None:
+        """torch's fused AdamW of fp32 rows (master, exp_avg, exp_avg_sq) from an fp32 gradient."""
         lr, wd = hyper[0 if c.decay else 1]
         scale = None if coef >= 1.0 else torch.full((), 1.0 / coef, dtype=torch.float32, device=grad.device)
         torch._fused_adamw_([states[0]], [grad], [states[1]], [states[2]], [], [c.step],
                             lr=lr, beta1=self.betas[0], beta2=self.betas[1],
                             weight_decay=wd, eps=self.eps, amsgrad=False, maximize=False, grad_scale=scale)
 
-    def _native_adamw(self, c: Chunk, states: torch.Tensor, grad: torch.Tensor, hyper, coef: float,
-                      out=None) -> None:
-        """The one-pass CPU kernel, the new weights into out (its own dtype) unless it is None."""
+    def _native_adamw(self, c: Chunk, states, grad: torch.Tensor, hyper, coef: float, out=None, hi=None) -> None:
+        """The one-pass CPU kernel, the new weights into out (its own dtype) unless it is None (with hi:
+        into hi itself)."""
         lr, wd = hyper[0 if c.decay else 1]
         self.cpu_adam.step(states, grad, out, step=int(c.step.item()), lr=lr, weight_decay=wd, betas=self.betas,
-                           eps=self.eps, coef=coef)
+                           eps=self.eps, coef=coef, hi=hi)
+
+    @staticmethod
+    def _cut(states, lo: int, hi: int) -> list:
+        """Each row's slice [lo, hi) (rows of a [3, n] tensor, or the format's typed rows)."""
+        return [r[lo:hi] for r in states]
 
     def _update_on_device(self, c: Chunk, coef: float, hyper) -> None:
         c.step += 1
         for lo, hi in slices(c.numel):
             grad = self.scratch["device"][:hi - lo]
             grad.copy_(c.grad[lo:hi])
-            self._adamw(c, c.states[:, lo:hi], grad, hyper, coef)
-        for p, view in c.views(c.states[0]):
-            p.data.copy_(view)
+            self._adamw(c, self._cut(c.states, lo, hi), grad, hyper, coef,
+                        hi=c.hi[lo:hi] if c.hi is not None else None)
+        if c.hi is None:  # with remainders the params are views of c.hi, written by the update
+            for p, view in c.views(c.states[0]):
+                p.data.copy_(view)
 
     def _update_off_device(self, gi: int, coef: float, hyper, after_backward) -> list:
         """Worker thread: host and NVMe chunks of one sub-group, a slice at a time (the fp32 gradient
@@ -135,9 +158,12 @@ class Update:
             if c.grad_ready is not None:
                 c.grad_ready.synchronize()
             t0 = time.perf_counter()
-            states = self._nvme_states(c) if c.tier == "nvme" else c.states
+            raw = self._nvme_states(c) if c.tier == "nvme" else None
+            states = self.store.rows(raw, c.numel) if raw is not None else c.states
             c.step += 1
-            for lo, hi in slices(c.numel):
+            if c.hi is not None:
+                events += self._update_remainders(c, states, hyper, coef, after_backward)
+            for lo, hi in slices(c.numel) if c.hi is None else []:
                 slot = None
                 if c.weights is not None:  # fetched from here before the layer next runs
                     out = c.weights[lo:hi]
@@ -145,18 +171,50 @@ class Update:
                     slot, out = self._staging(hi - lo)
                 else:
                     out = None  # CPU: copied into the model from the master
-                self._cpu_update(c, states[:, lo:hi], lo, hi, out, hyper, coef)
+                self._cpu_update(c, self._cut(states, lo, hi), lo, hi, out, hyper, coef)
                 if slot is not None:
                     events.append(self._upload_staging(c, slot, lo, hi, after_backward))
                 elif out is None:
                     for p, a, b, sa, sb in self._param_ranges(c, lo, hi):
-                        p.data.view(-1)[a:b].copy_(states[0, sa:sb])
+                        p.data.view(-1)[a:b].copy_(states[0][sa:sb])
             if c.tier == "nvme":
                 t2 = time.perf_counter()
-                NVMeTier.write(c.file, states.reshape(-1))
-                self.profile.busy("nvme", time.perf_counter() - t2, c.numel * STATES * 4)
+                NVMeTier.write(c.file, raw)
+                self.profile.busy("nvme", time.perf_counter() - t2, c.numel * self.format.bytes)
             self.profile.busy("update_thread", time.perf_counter() - t0)
         return events
+
+    def _update_remainders(self, c: Chunk, states, hyper, coef: float, after_backward) -> list:
+        """A host or NVMe chunk whose master row holds remainders, on the CPU: the weights (the masters'
+        high half) are read and written where they are (an offloaded layer's host copy, or a resident
+        layer's on a CPU device), or, on CUDA, come down into a pinned staging buffer a slice ahead of
+        the update (on the upload stream) and go back up from it; returns the uploads' events."""
+        events = []
+        ranges = slices(c.numel)
+        download = self.streams.cuda and c.weights is None
+        ahead = self._download(c, *ranges[0]) if download else None
+        for k, (lo, hi) in enumerate(ranges):
+            if download:
+                slot, weights, ready = ahead
+                ahead = self._download(c, *ranges[k + 1]) if k + 1 < len(ranges) else None
+                ready.synchronize()
+            else:
+                slot, weights = None, c.hi[lo:hi]
+            self._cpu_update(c, self._cut(states, lo, hi), lo, hi, None, hyper, coef, hi_weights=weights)
+            if slot is not None:
+                events.append(self._upload_staging(c, slot, lo, hi, after_backward))
+        return events
+
+    def _download(self, c: Chunk, lo: int, hi: int):
+        """(slot, staging, event): a resident layer's weights [lo, hi) coming down into the next pinned
+        staging buffer on the upload stream (after the uploads queued before)."""
+        slot, staging = self._staging(hi - lo)
+        upload = self.streams.upload
+        with torch.cuda.stream(upload):
+            staging.copy_(c.hi[lo:hi], non_blocking=True)
+            ready = upload.record_event()
+        self.profile.add_bytes("d2h", (hi - lo) * staging.element_size())
+        return slot, staging, ready
 
     def _update_streamed(self, gi: int, coef: float, hyper, after_backward) -> list:
         """Device-update thread: the host chunks of one sub-group that the device updates, a slice at a
@@ -181,37 +239,50 @@ class Update:
                 i = self._update_slot = 1 - self._update_slot
                 if self._update_free[i] is not None:
                     self._update_free[i].synchronize()  # the buffer's last states have left it
-                buf, grad_in = self._update_bufs[i]
+                buf, grad_in, packed = self._update_bufs[i]
                 states, grad = buf[:STATES, :hi - lo], buf[STATES, :hi - lo]
+                # the rows as they travel: fp32 straight into the update's rows, else packed, decoded here
+                arriving = states if packed is None else self._cut(packed, 0, hi - lo)
+                weights = c.hi[lo:hi] if c.hi is not None else None  # with remainders: the model's, in place
                 t1 = self.profile.start("device_update", h2d)
                 with on_h2d():
                     for k in range(STATES):  # row by row: each row slice is contiguous (async copies)
-                        states[k].copy_(c.states[k, lo:hi], non_blocking=True)
+                        arriving[k].copy_(c.states[k][lo:hi], non_blocking=True)
+                    if packed is not None:
+                        decode(self.format, arriving, weights, states)
                     if grad_in is None:  # an fp32 gradient lands in its row
                         grad.copy_(c.grad[lo:hi], non_blocking=True)
                     else:  # up in its dtype, converted on the device
                         grad_in[:hi - lo].copy_(c.grad[lo:hi], non_blocking=True)
                         grad.copy_(grad_in[:hi - lo])
-                    self._adamw(c, states, grad, hyper, coef)
-                    for p, a, b, sa, sb in self._param_ranges(c, lo, hi):
-                        p.data.view(-1)[a:b].copy_(states[0, sa - lo:sb - lo])
+                    if self.cpu_adam is not None and not cuda:  # a CPU run: every update the same kernel
+                        self._native_adamw(c, states, grad, hyper, coef)
+                    else:
+                        self._fused_adamw(c, states, grad, hyper, coef)
+                    if packed is not None:
+                        encode(self.format, states, arriving, weights)
+                    if weights is None:
+                        for p, a, b, sa, sb in self._param_ranges(c, lo, hi):
+                            p.data.view(-1)[a:b].copy_(states[0, sa - lo:sb - lo])
                     updated = h2d.record_event() if cuda else None
                 self.profile.stop("device_update", t1, h2d)
-                self.profile.add_bytes("device_update", (hi - lo) * (2 * STATES * 4 + c.grad.element_size()))
+                self.profile.add_bytes("device_update", (hi - lo) * (2 * self.format.bytes + c.grad.element_size()))
                 if not cuda:
-                    c.states[:, lo:hi].copy_(states)
+                    for k in range(STATES):
+                        c.states[k][lo:hi].copy_(arriving[k])
                     continue
                 with torch.cuda.stream(d2h):
                     d2h.wait_event(updated)
                     for k in range(STATES):
-                        c.states[k, lo:hi].copy_(states[k], non_blocking=True)
+                        c.states[k][lo:hi].copy_(arriving[k], non_blocking=True)
                     c.states_home = self._update_free[i] = d2h.record_event()
                 events.append(updated)
             self.profile.busy("device_update_thread", time.perf_counter() - t0)
         return events
 
     def _nvme_states(self, c: Chunk) -> torch.Tensor:
-        """Reads this NVMe chunk (prefetched while the previous one was updated) and starts the next read."""
+        """Reads this NVMe chunk's bytes (prefetched while the previous one was updated) and starts the
+        next read."""
         order = [x for x in self.chunks if x.tier == "nvme"]
         i = next(k for k, x in enumerate(order) if x is c)
         slot = i % 2
@@ -224,22 +295,23 @@ class Update:
 
     def _timed_read(self, c: Chunk, slot: int) -> torch.Tensor:
         t0 = time.perf_counter()
-        out = NVMeTier.read(c.file, self.nvme.staging(slot, STATES * c.numel)).view(STATES, c.numel)
-        self.profile.busy("nvme", time.perf_counter() - t0, c.numel * STATES * 4)
+        out = NVMeTier.read(c.file, self.nvme.staging(slot, self.format.bytes * c.numel))
+        self.profile.busy("nvme", time.perf_counter() - t0, c.numel * self.format.bytes)
         return out
 
-    def _cpu_update(self, c: Chunk, states: torch.Tensor, lo: int, hi: int, out, hyper, coef: float) -> None:
-        """AdamW of a host or NVMe chunk's slice [lo, hi), the new weights into out (model dtype; may be
-        the gradient buffer itself, when that is in the model dtype) unless it is None."""
+    def _cpu_update(self, c: Chunk, states, lo: int, hi: int, out, hyper, coef: float, hi_weights=None) -> None:
+        """AdamW of a host or NVMe chunk's slice [lo, hi) (its rows' slices), the new weights into out
+        (model dtype; may be the gradient buffer itself, when that is in the model dtype) unless it is
+        None; with remainders hi_weights are the slice's bf16 weights, read and written in place."""
         t0 = time.perf_counter()
         if self.cpu_adam is not None:  # one pass: the gradient in (fp32 or model dtype), model-dtype weights out
-            self._native_adamw(c, states, c.grad[lo:hi], hyper, coef, out)
+            self._native_adamw(c, states, c.grad[lo:hi], hyper, coef, out, hi=hi_weights)
             self.profile.busy("cpu_optimizer", time.perf_counter() - t0)
             return
         grad = self.scratch["host"][:hi - lo]
         grad.copy_(c.grad[lo:hi])  # before an offloaded layer's new weights overwrite the buffer
         t1 = time.perf_counter()
-        self._adamw(c, states, grad, hyper, coef)
+        self._adamw(c, states, grad, hyper, coef, hi=hi_weights)
         t2 = time.perf_counter()
         if out is not None:
             out.copy_(states[0])
@@ -261,7 +333,9 @@ class Update:
         t0 = self.profile.start("h2d", upload)
         with torch.cuda.stream(upload):
             upload.wait_event(after_backward)  # backward has finished reading the old weights
-            for p, a, b, sa, sb in self._param_ranges(c, lo, hi):
+            if c.hi is not None:  # the params are views of it
+                c.hi[lo:hi].copy_(staging, non_blocking=True)
+            for p, a, b, sa, sb in self._param_ranges(c, lo, hi) if c.hi is None else ():
                 p.data.view(-1)[a:b].copy_(staging[sa - lo:sb - lo], non_blocking=True)
             done = upload.record_event()
         self.profile.stop("h2d", t0, upload)

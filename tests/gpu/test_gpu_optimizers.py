@@ -25,6 +25,10 @@ CASES = {
     "zero_cache-activation-offload": [ZC, "model.recompute=full", "model.activation_offload=checkpoints"],
     "zero_cache-nvme-async": [ZC, "zero_cache.prefetch_cache_sub_group_rate=0.3", "zero_cache.host_max_gib=0.0018",
                               "checkpoint.async_save=true"],
+    # the master as a remainder beside the bf16 weight, bf16 moments, host chunks half updated by the device
+    "zero_cache-compact-states": [ZC, "optim.store_param_remainders=true", "optim.exp_avg_dtype=bf16",
+                                  "optim.exp_avg_sq_dtype=bf16", "zero_cache.prefetch_cache_sub_group_rate=0.3",
+                                  "zero_cache.device_update_fraction=0.5"],
 }
 
 

@@ -22,6 +22,8 @@ CASES = {
     "missing file": (["train", "--config", "/nonexistent/x.yaml"], "config file not found"),
     "unknown option": (["train", "--bogus"], "No such option: --bogus"),
     "bad device": (["train", "--size", "tiny", "--device", "gpu"], "--device must be 'cpu' or 'cuda'"),
+    "compact moments with megatron": (["train", "--size", "tiny", "optim.exp_avg_dtype=bf16"],
+                                      "optim.exp_avg_dtype is honoured by optim.optimizer 'zero_cache' only"),
     "missing data": (["train", "--size", "tiny", "--device", "cpu", "data.paths=/nonexistent/ds"],
                      "/nonexistent/ds.bin not found"),
 }

@@ -34,6 +34,8 @@ def test_derived_fields():
     (["zero_cache.max_contigous_params_size=0"], "max_contigous_params_size"),
     (["zero_cache.cpu_adam=avx"], "zero_cache.cpu_adam must be 'auto', 'native' or 'torch', got 'avx'"),
     (["optim.optimizer=sgd"], "optim.optimizer"),
+    (["optim.optimizer=zero_cache", "optim.exp_avg_sq_dtype=fp8"], "optim.exp_avg_sq_dtype must be one of fp32, bf16"),
+    (["optim.store_param_remainders=true"], "optim.store_param_remainders is honoured by optim.optimizer 'zero_cache'"),
     (["train.device=tpu"], "train.device"),
     (["num_layers=true"], "model.num_layers"),
     (["model.recompute_num_layers=1"], "needs model.recompute 'full'"),

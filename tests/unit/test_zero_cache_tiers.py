@@ -18,7 +18,7 @@ def test_a_chunk_larger_than_one_system_call_round_trips(tmp_path):
         pytest.skip(f"needs {2 * numel * 4 / 2**30:.1f} GiB free under {tmp_path}")
     tier = NVMeTier(str(tmp_path))
     try:
-        file = tier.create("g0000_decay", numel)
+        file = tier.create("g0000_decay", numel * 4)
         data = torch.arange(numel, dtype=torch.int32)  # every 4 bytes distinct, so a misplaced block shows
         NVMeTier.write(file, data.view(torch.float32))
         assert file.stat().st_size == numel * 4
@@ -35,11 +35,11 @@ def test_chunks_a_killed_run_left_are_reclaimed_and_a_live_runs_are_kept(tmp_pat
 
     killed = subprocess.run(
         [sys.executable, "-c", "import os, sys, torch; from angelgpt.zero_cache.tiers import NVMeTier; "
-         "t = NVMeTier(sys.argv[1]); f = t.create('g0001_decay', 1 << 18); "
+         "t = NVMeTier(sys.argv[1]); f = t.create('g0001_decay', 4 << 18); "
          "NVMeTier.write(f, torch.ones(1 << 18)); print(t.dir); os._exit(0)", str(tmp_path)],
         capture_output=True, text=True, check=True).stdout.strip()
     live = NVMeTier(str(tmp_path))
-    NVMeTier.write(live.create("g0001_decay", 1 << 18), torch.ones(1 << 18))
+    NVMeTier.write(live.create("g0001_decay", 4 << 18), torch.ones(1 << 18))
     other = tmp_path / "angelgpt-not-a-tier"  # no lock file: not ours to remove
     other.mkdir()
     try:

@@ -1,0 +1,21 @@
+"""ZeRO-Cache's compact state formats on a GPU (tests/unit/test_zero_cache_precision.py's comparison with
+CUDA tensors, pinned host chunks and the CUDA streams): after one step from the same model and batches
+the master kept as a remainder beside the bf16 weight equals the fp32 path's bit for bit in every tier,
+bf16 moments are the fp32 path's rounded, and three more steps give losses within 1e-3. Attention runs
+in torch's math kernel, whose backward is deterministic, so the two runs see the same gradients."""
+
+import pytest
+import torch
+
+from tests.unit.test_zero_cache_precision import FORMATS, LAYOUTS, compare_formats
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_compact_states_update_as_the_fp32_path_does_on_gpu(megatron_single_rank, tmp_path, fmt, layout):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):
+        compare_formats(tmp_path, fmt, "native", layout, "cuda")
