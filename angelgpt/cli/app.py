@@ -235,6 +235,9 @@ def train(
         from angelgpt.data.tokenizer import check_vocabulary, load_tokenizer
 
         check_vocabulary(load_tokenizer(cfg.data.tokenizer), cfg)
+        from angelgpt.data.dataset import check_splits
+
+        check_splits(cfg, validating=bool(cfg.train.eval_interval and cfg.train.eval_iters))
     if not on_gpu and "train.device=cpu" not in extra:
         extra.append("train.device=cpu")
     rehearsal_only = [name for name, value in (("--rehearse-rank", rehearse_rank), ("--rehearse-report",

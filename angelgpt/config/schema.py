@@ -27,6 +27,9 @@ def _require(cond: bool, msg: str) -> None:
 
 # the dtypes ZeRO-Cache keeps Adam's moments in (optim.exp_avg_dtype, optim.exp_avg_sq_dtype)
 MOMENT_DTYPES = ("fp32", "bf16")
+# the largest adam_beta2 a bf16 exp_avg_sq takes: its decay of 1 - beta2 a step must stay clear of half
+# a bf16 step (2**-9 relative), where rounding to nearest would keep the moment where it is
+BF16_EXP_AVG_SQ_MAX_BETA2 = 0.99
 
 
 def _fraction_or_auto(key: str, value) -> None:
@@ -230,7 +233,8 @@ class OptimConfig:
     """dtype ZeRO-Cache keeps Adam's first moment in (Megatron's exp_avg_dtype): 'fp32', or 'bf16' (2
     bytes a parameter less; rounded to nearest on every write). The update itself runs in fp32."""
     exp_avg_sq_dtype: str = "fp32"
-    """dtype ZeRO-Cache keeps Adam's second moment in (Megatron's exp_avg_sq_dtype): 'fp32' or 'bf16'."""
+    """dtype ZeRO-Cache keeps Adam's second moment in (Megatron's exp_avg_sq_dtype): 'fp32' or 'bf16'
+    (with adam_beta2 <= 0.99 only: a bf16 moment cannot take a smaller decay a step)."""
 
     def __post_init__(self):
         _require(self.optimizer in ("megatron", "megatron_cpu_offload", "zero_cache"),
@@ -238,6 +242,11 @@ class OptimConfig:
         for key in ("exp_avg_dtype", "exp_avg_sq_dtype"):
             _require(getattr(self, key) in MOMENT_DTYPES,
                      f"optim.{key} must be one of {', '.join(MOMENT_DTYPES)}, got '{getattr(self, key)}'")
+        # a bf16 value moves only by more than half its step (2**-9 of it): with beta2 near 1 the second
+        # moment's decay (1 - beta2 of it a step) would round away and the moment would stop shrinking
+        _require(self.exp_avg_sq_dtype == "fp32" or self.adam_beta2 <= BF16_EXP_AVG_SQ_MAX_BETA2,
+                 f"optim.exp_avg_sq_dtype 'bf16' needs optim.adam_beta2 <= {BF16_EXP_AVG_SQ_MAX_BETA2} (a bf16 "
+                 f"moment cannot take the smaller decay of beta2 {self.adam_beta2}: it rounds away); use 'fp32'")
         compact = [k for k, v in (("store_param_remainders", self.store_param_remainders),
                                   ("exp_avg_dtype", self.exp_avg_dtype != "fp32"),
                                   ("exp_avg_sq_dtype", self.exp_avg_sq_dtype != "fp32")) if v]

@@ -7,11 +7,11 @@ micro batch. Resuming from ``consumed_samples`` therefore replays the exact same
 
 from __future__ import annotations
 
-from typing import Dict, Iterator
+from typing import Dict, Iterator, List
 
 import torch
 
-from angelgpt.config import Config
+from angelgpt.config import Config, ConfigError
 
 
 def _ensure_helpers() -> None:
@@ -24,6 +24,44 @@ def _ensure_helpers() -> None:
         compile_helpers()
 
 
+def split_documents(split: str, documents: int) -> List[int]:
+    """Documents each of the train, validation and test splits takes of a dataset of `documents`: Megatron's
+    split matrix, each bound rounded to a document as its dataset builder does."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.datasets.blended_megatron_dataset_config import (
+            convert_split_vector_to_split_matrix, parse_and_normalize_split)
+
+    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
+    return [0 if bounds is None else int(round(bounds[1] * documents)) - int(round(bounds[0] * documents))
+            for bounds in matrix]
+
+
+def check_splits(cfg: Config, validating: bool) -> None:
+    """Refuses (one line) a data.split that leaves the training split, or the validation split when
+    evaluations are asked for, without a document of some dataset: Megatron would look for samples
+    in it forever."""
+    if cfg.data.is_mock:
+        return
+    import warnings
+
+    with warnings.catch_warnings():  # megatron.core's import warns of what is not installed: not the user's problem
+        warnings.simplefilter("ignore")
+        from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    items = [cfg.data.paths] if isinstance(cfg.data.paths, str) else list(cfg.data.paths)
+    for prefix in (items[1::2] if len(items) > 1 else items):
+        documents = len(IndexedDataset(str(prefix)).document_indices) - 1
+        counts = split_documents(cfg.data.split, documents)
+        for name, n, needed in (("training", counts[0], True), ("validation", counts[1], validating)):
+            if needed and n == 0:
+                raise ConfigError(f"data.split {cfg.data.split} gives the {name} split none of the {documents} "
+                                  f"documents of {prefix}; give it a larger share, or more documents"
+                                  + ("" if name == "training" else ", or leave train.eval_interval unset"))
+
+
 def build_datasets(cfg: Config, tokenizer, train_samples: int, valid_samples: int):
     """Returns (train, valid) datasets; valid is None when the split gives it nothing."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
@@ -33,6 +71,7 @@ def build_datasets(cfg: Config, tokenizer, train_samples: int, valid_samples: in
     from megatron.core.datasets.utils import get_blend_from_list
 
     cfg.data.check_files()
+    check_splits(cfg, valid_samples > 0)
     paths = cfg.data.paths
     blend = None if cfg.data.is_mock else get_blend_from_list([str(x) for x in ([paths] if isinstance(paths, str) else paths)])
     ds_config = GPTDatasetConfig(

@@ -10,7 +10,9 @@ rounded by the remainder's top bit (to nearest, ties away from zero), the remain
 bits as a signed int16; joining subtracts that rounding again. It is exact for every bit pattern. A
 tie (lower bits exactly 0x8000) rounds away from zero here, to even in ``tensor.to(torch.bfloat16)``:
 a 16-bit remainder cannot tell the two masters a tie-to-even weight stands for apart. The one-pass
-CPU kernel (cpu_adam.c) does the same arithmetic.
+CPU kernel (cpu_adam.c) does the same arithmetic. (A NaN master whose upper half is all ones with the
+top remainder bit set splits into a zero weight; it joins back to the NaN, and a non-finite gradient
+norm skips the step that would make one.)
 
     fmt = StateFormat.from_config(cfg.optim, model_dtype)
     rows = fmt.rows(raw, n)                  # [master or remainder, exp_avg, exp_avg_sq], typed views

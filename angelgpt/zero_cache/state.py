@@ -142,5 +142,6 @@ class CheckpointState:
 
     @staticmethod
     def _weights(c: Chunk) -> torch.Tensor:
-        """The chunk's owned params' weights as loaded into the model, flat on the host (bf16)."""
-        return torch.cat([p.detach().reshape(-1).cpu() for p in c.params])
+        """The chunk's owned params' weights as loaded into the model, flat on the host, in bf16 (an fp32
+        model, a CPU run, holds the saved bf16 weights exactly)."""
+        return torch.cat([p.detach().reshape(-1).cpu() for p in c.params]).to(torch.bfloat16)

@@ -213,7 +213,6 @@ class Update:
         with torch.cuda.stream(upload):
             staging.copy_(c.hi[lo:hi], non_blocking=True)
             ready = upload.record_event()
-        self.profile.add_bytes("d2h", (hi - lo) * staging.element_size())
         return slot, staging, ready
 
     def _update_streamed(self, gi: int, coef: float, hyper, after_backward) -> list:

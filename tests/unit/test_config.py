@@ -36,6 +36,8 @@ def test_derived_fields():
     (["optim.optimizer=sgd"], "optim.optimizer"),
     (["optim.optimizer=zero_cache", "optim.exp_avg_sq_dtype=fp8"], "optim.exp_avg_sq_dtype must be one of fp32, bf16"),
     (["optim.store_param_remainders=true"], "optim.store_param_remainders is honoured by optim.optimizer 'zero_cache'"),
+    (["optim.optimizer=zero_cache", "optim.exp_avg_sq_dtype=bf16", "optim.adam_beta2=0.999"],
+     "optim.exp_avg_sq_dtype 'bf16' needs optim.adam_beta2 <= 0.99"),
     (["train.device=tpu"], "train.device"),
     (["num_layers=true"], "model.num_layers"),
     (["model.recompute_num_layers=1"], "needs model.recompute 'full'"),

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The numerics of ZeRO-Cache's state formats on one GPU, in one device call: the corpus (this Python's
+# standard library source) prepared once, a run per format from the same seed and batches (one result
+# file each under OUT, benchmarks.numerics), and the curves side by side (OUT/numerics.svg).
+#   bash scripts/numerics_runs.sh OUT [ITERS] [FORMAT...]     FORMAT: fp32 bf16-moments remainders-bf16-moments
+# Installs any wheels found in .whl/ (scripts/device_wheels.sh). NUMERICS_DATA: where the prepared corpus is
+# (or goes; default /tmp/numerics-data).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=${1:?usage: numerics_runs.sh OUT [ITERS] [FORMAT...]}
+iters=${2:-2000}
+shift $(( $# < 2 ? $# : 2 ))
+formats=("${@:-fp32 bf16-moments remainders-bf16-moments}")
+. scripts/device_wheels.sh
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export ANGELGPT_BENCH_CALL=${ANGELGPT_BENCH_CALL:-numerics-$(date -u +%Y%m%dT%H%M%SZ)-$$}
+data=${NUMERICS_DATA:-/tmp/numerics-data}
+[ -f "$data/manifest.json" ] || python3 -m benchmarks.numerics prepare --out "$data"
+for f in ${formats[*]}; do
+  case $f in
+    fp32) extra=() ;;
+    bf16-moments) extra=(optim.exp_avg_dtype=bf16 optim.exp_avg_sq_dtype=bf16) ;;
+    remainders-bf16-moments) extra=(optim.store_param_remainders=true optim.exp_avg_dtype=bf16 optim.exp_avg_sq_dtype=bf16) ;;
+    *) echo "numerics_runs.sh: unknown format $f" >&2; exit 2 ;;
+  esac
+  python3 -m benchmarks.numerics run --name "numerics-$f" --data "$data" --iters "$iters" --out "$out" -- "${extra[@]}" || true
+done
+python3 -m benchmarks.numerics plot "$out"/numerics-*.json --out "$out/numerics.svg"
