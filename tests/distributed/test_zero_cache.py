@@ -344,3 +344,26 @@ def test_pinning_beyond_the_memlock_limit_is_refused():
     assert proc.stdout.strip() == ("zero_cache: 67,108,864 B (0.06 GiB) of host memory must be pinned but the "
                                    "memlock limit (ulimit -l) allows 65,536 B; raise it (ulimit -l unlimited, "
                                    "or docker run --ulimit memlock=-1)")
+
+
+def test_compact_states_at_dp2_equal_the_fp32_path(tmp_path):
+    """Two torchrun ranks, each with its own batches: the master kept as a remainder beside the bf16
+    weight and bf16 moments give, on each rank, the fp32 path's masters bit for bit (its moments
+    rounded, its weights the masters split) after a step, with resident layers gathered and offloaded
+    layers fetched over DP; losses within 1e-3 for three more steps; and a checkpoint of the compact
+    optimizer loads into an fp32 one at DP 2 with the masters bit for bit."""
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(Path(__file__).with_name("zero_cache_precision_check.py")), str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["layouts"]["offloaded"]["first"] != ranks[1]["layouts"]["offloaded"]["first"]  # own batches
+    for r in ranks:
+        assert r["checkpoint_masters_equal"], r
+        for layout, x in r["layouts"].items():
+            assert x["owned"] > 0 and x["masters_equal"] and x["moments_rounded"] and x["weights_split"], (layout, x)
+            assert x["first"][0] == x["first"][1], x
+            assert all(abs(a - b) <= 1e-3 * abs(a) for a, b in x["losses"]), x
+            assert {"device", "host"} <= set(x["tiers"]), x
+        assert "offloaded" in r["layouts"]["offloaded"]["tiers"], r

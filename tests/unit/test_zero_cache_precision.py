@@ -99,10 +99,10 @@ def states(model, opt) -> dict:
     store = opt.store
     names = {id(p): n for n, p in model.named_parameters()}
     out = {}
-    for c in store.chunks:
-        rows = opt.checkpoint._chunk_states(c)
-        master = store.master(c, rows)
-        with opt.materialized():
+    with opt.materialized():  # (over DP it fetches every offloaded layer: once, on every rank)
+        for c in store.chunks:
+            rows = opt.checkpoint._chunk_states(c)
+            master = store.master(c, rows)
             for (p, off, shape) in zip(c.params, c.offsets, c.shapes):
                 n = shape.numel()
                 out[names[id(p)]] = (master[off:off + n].clone(), rows[1][off:off + n].clone(),
