@@ -77,9 +77,10 @@ def run_cli_in_process(*args):
     return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
 
 
-def train_shared_gpu(tmp_path, name, *overrides, nproc=1, size="tiny", timeout=300):
+def train_shared_gpu(tmp_path, name, *overrides, nproc=1, size="tiny", timeout=300, check=True):
     """Trains on GPU 0 with `nproc` torchrun ranks sharing it under a gloo default group
-    (tests/gpu/shared_gpu_worker.py: parallel.SharedDevice) and returns the per-iteration metrics."""
+    (tests/gpu/shared_gpu_worker.py: parallel.SharedDevice) and returns the per-iteration metrics; with
+    check=False, the finished process instead (whatever its exit code)."""
     metrics = tmp_path / f"{name}.jsonl"
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
@@ -87,5 +88,17 @@ def train_shared_gpu(tmp_path, name, *overrides, nproc=1, size="tiny", timeout=3
                            str(nproc), str(ROOT / "tests" / "gpu" / "shared_gpu_worker.py"), "--size", size,
                            "train.device=cuda", f"logging.metrics_file={metrics}", "logging.log_interval=1",
                            *map(str, overrides)], cwd=ROOT, text=True, capture_output=True, timeout=timeout, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    if not check:
+        return proc
+    assert proc.returncode == 0, failure_report(proc)
     return read_metrics(metrics)
+
+
+def failure_report(proc, head: int = 40, tail: int = 4000) -> str:
+    """A failed run's output for an assertion: the first error lines of stderr (a crash's own message,
+    which a rank's later teardown noise pushes out of the tail) and the tails of stdout and stderr."""
+    lines = proc.stderr.splitlines()
+    first = next((i for i, line in enumerate(lines) if any(
+        k in line for k in ("Error", "error", "Traceback", "Fatal", "Segmentation", "Aborted", "terminate"))), None)
+    parts = [] if first is None else ["--- first error lines ---", *lines[first:first + head]]
+    return "\n".join([*parts, "--- stdout tail ---", proc.stdout[-tail:], "--- stderr tail ---", proc.stderr[-tail:]])

@@ -43,6 +43,15 @@ OVERRIDES = typer.Argument(None, help="KEY=VALUE config overrides (section.field
 SIZE = typer.Option(None, "--size", help="preset name (see `angelgpt presets list`)")
 CONFIG = typer.Option(None, "--config", help="YAML file layered over the preset")
 NNODES = typer.Option(1, "--nnodes", min=1)
+# the options `train` and `rehearse` share (a rehearsal describes the job's target with them)
+NPROC = typer.Option(None, "--nproc-per-node", help="workers per node (of the job a rehearsal plays)")
+DEVICE = typer.Option(None, "--device", help="cpu or cuda (this machine's, for a rehearsal)")
+MACHINE = typer.Option(None, "--machine", help="catalogue machine whose figures describe the target of a rehearsal "
+                       "or a dry run (default: this machine's GPU)")
+GPU_MEM = typer.Option(None, "--gpu-mem", help="for a rehearsal: GiB per GPU of the target (default: this GPU's, "
+                       "or --machine's)")
+HOST_MEM = typer.Option(None, "--host-mem", help="for a rehearsal: GiB of host memory per node of the target "
+                        "(default: this machine's available, or --machine's)")
 
 
 @presets_app.command("list")
@@ -162,14 +171,14 @@ def train(
     overrides: Optional[List[str]] = OVERRIDES,
     size: Optional[str] = SIZE,
     config: Optional[str] = CONFIG,
-    nproc_per_node: Optional[int] = typer.Option(None, "--nproc-per-node", help="workers per node"),
+    nproc_per_node: Optional[int] = NPROC,
     nnodes: int = NNODES,
     node_rank: int = typer.Option(0, "--node-rank", min=0),
     master_addr: Optional[str] = typer.Option(None, "--master-addr"),
     master_port: Optional[int] = typer.Option(None, "--master-port"),
     rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help="HOST:PORT (c10d rendezvous)"),
     max_restarts: int = typer.Option(0, "--max-restarts", min=0, help="torchrun restarts on worker failure"),
-    device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda"),
+    device: Optional[str] = DEVICE,
     dry_run: bool = typer.Option(False, "--dry-run", help="print config and torchrun command, launch nothing"),
     metrics_file: Optional[str] = typer.Option(None, "--metrics-file", help="JSON-lines metrics output"),
     save: Optional[str] = typer.Option(None, "--save", help="checkpoint directory to save into"),
@@ -182,12 +191,9 @@ def train(
     rehearse_steps: int = typer.Option(3, "--rehearse-steps", help="training steps per rehearsed rank"),
     rehearse_report: Optional[str] = typer.Option(None, "--rehearse-report", help="JSON report of the rehearsal "
                                                   "(default: --metrics-file)"),
-    gpu_mem: Optional[float] = typer.Option(None, "--gpu-mem", help="with --rehearse: GiB per GPU of the target "
-                                            "(default: this GPU's, or --machine's)"),
-    host_mem: Optional[float] = typer.Option(None, "--host-mem", help="with --rehearse: GiB of host memory per node "
-                                             "of the target (default: this machine's available, or --machine's)"),
-    machine: Optional[str] = typer.Option(None, "--machine", help="with --rehearse or --dry-run: catalogue machine "
-                                          "whose figures describe the target (default: this machine's GPU)"),
+    gpu_mem: Optional[float] = GPU_MEM,
+    host_mem: Optional[float] = HOST_MEM,
+    machine: Optional[str] = MACHINE,
 ) -> None:
     """Resolve the config, print it and the parameter count, check the plan, and launch torchrun workers
     (with --rehearse: rehearse the job's ranks one at a time on this machine instead)."""
@@ -273,15 +279,12 @@ def rehearse_command(
     overrides: Optional[List[str]] = OVERRIDES,
     size: Optional[str] = SIZE,
     config: Optional[str] = CONFIG,
-    nproc_per_node: Optional[int] = typer.Option(None, "--nproc-per-node", help="workers per node of the job"),
+    nproc_per_node: Optional[int] = NPROC,
     nnodes: int = NNODES,
-    device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (this machine's, for the rehearsal)"),
-    machine: Optional[str] = typer.Option(None, "--machine", help="catalogue machine whose figures describe the "
-                                          "target (default: this GPU's)"),
-    gpu_mem: Optional[float] = typer.Option(None, "--gpu-mem", help="GiB per GPU of the target (default: this "
-                                            "GPU's, or --machine's)"),
-    host_mem: Optional[float] = typer.Option(None, "--host-mem", help="GiB of host memory per node of the target "
-                                             "(default: this machine's available, or --machine's)"),
+    device: Optional[str] = DEVICE,
+    machine: Optional[str] = MACHINE,
+    gpu_mem: Optional[float] = GPU_MEM,
+    host_mem: Optional[float] = HOST_MEM,
     rank: Optional[List[int]] = typer.Option(None, "--rank", help="rank to rehearse; repeatable (default: rank 0 "
                                              "of the first, a middle and the last stage)"),
     steps: int = typer.Option(3, "--steps", help="training steps per rehearsed rank"),

@@ -14,6 +14,7 @@ terminal, or when asked for (progress=True, or ANGELGPT_PROGRESS=1).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import sys
@@ -114,15 +115,16 @@ def prepare(input_spec: str, tokenizer_dir: str, output_prefix: str, split: str 
     return PrepareSummary(documents, tokens, size, time.perf_counter() - start, replaced, prefix)
 
 
-_ENCODERS = {}
+@functools.lru_cache(maxsize=None)
+def _encoder(spec: str):
+    """The tokenizer of a datasets.map worker process, loaded once per process."""
+    return load_tokenizer(spec)
 
 
 def _encode_batch(batch, rank: Optional[int], spec: str, text_key: str, eod: Optional[int], shard_dir: str,
                   dtype: str):
     """datasets.map worker: encode a batch and append its tokens to this worker's shard file."""
-    tok = _ENCODERS.get(spec)
-    if tok is None:
-        tok = _ENCODERS[spec] = load_tokenizer(spec)
+    tok = _encoder(spec)
     ids = tok.tokenize_batch(batch[text_key])
     if eod is not None:
         for x in ids:

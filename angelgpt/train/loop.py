@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import time
 from functools import partial
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -57,29 +57,33 @@ def close_within(closers, timeout: float = CLOSE_TIMEOUT_S) -> List[str]:
     return failed
 
 
-_SIGNALLED = {"count": 0}
-PHASE = {"now": "set-up"}  # what training is doing, for a rank that reports a collective timing out
+class RunControl:
+    """What a worker's signal handlers, its training loop and its error report share: the SIGTERM/SIGINT
+    received (the first stops training at the next iteration boundary, saving first; a second exits at
+    once) and what training is doing (`phase`, named by a rank that reports a collective timing out)."""
 
+    def __init__(self):
+        self.signals = 0
+        self.phase = "set-up"
 
-def install_signal_handlers() -> None:
-    """First SIGTERM/SIGINT: stop at the next iteration boundary (saving first); second: exit at once."""
-    import os
-    import signal
+    def install_signal_handlers(self) -> "RunControl":
+        import os
+        import signal
 
-    def handler(signum, frame):
-        _SIGNALLED["count"] += 1
-        if _SIGNALLED["count"] > 1:
-            os._exit(128 + signum)
+        def handler(signum, frame):
+            self.signals += 1
+            if self.signals > 1:
+                os._exit(128 + signum)
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, handler)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, handler)
+        return self
 
-
-def stop_requested(device) -> bool:
-    """True on every rank once any rank has been signalled."""
-    flag = torch.tensor([1.0 if _SIGNALLED["count"] else 0.0], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
+    def stop_requested(self, device) -> bool:
+        """True on every rank once any rank has been signalled."""
+        flag = torch.tensor([1.0 if self.signals else 0.0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
 
 
 def loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
@@ -152,8 +156,9 @@ def _host_staged(forward_backward, model):
 
 class Trainer:
     def __init__(self, cfg: Config, model, optimizer: Optimizer, scheduler, train_ds, valid_ds, on_gpu: bool,
-                 rehearsal: bool = False):
+                 rehearsal: bool = False, control: Optional[RunControl] = None):
         self.cfg = cfg
+        self.control = control or RunControl()  # (without handlers: a test's trainer stops when told to)
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -311,7 +316,7 @@ class Trainer:
         in_a_row = 0
         while not last:
             profiling.begin(self.iteration + 1)
-            PHASE["now"] = f"iteration {self.iteration + 1}: forward and backward"
+            self.control.phase = f"iteration {self.iteration + 1}: forward and backward"
             self.optimizer.zero_grad()
             started = self._clock()
             stats = self._run(it, forward_only=False)
@@ -320,7 +325,7 @@ class Trainer:
                 math.isfinite(loss) or not parallel_state.is_pipeline_last_stage(), self.device)
             backward_done = self._clock()
             if loss_ok:
-                PHASE["now"] = f"iteration {self.iteration + 1}: optimizer step"
+                self.control.phase = f"iteration {self.iteration + 1}: optimizer step"
                 ok, grad_norm, _ = self.optimizer.step()
             else:  # a non-finite loss: leave the weights alone
                 ok, grad_norm = False, float("nan")
@@ -341,7 +346,7 @@ class Trainer:
             self.iteration += 1
             self.consumed += cfg.train.global_batch_size
             window_iters += 1
-            stop = stop_requested(self.device)
+            stop = self.control.stop_requested(self.device)
             if self.saver:  # a background save whose write every rank has finished is made visible
                 self.saver.finalize(blocking=False)
             aborting = in_a_row >= cfg.train.max_consecutive_skips and not self.rehearsal
@@ -349,7 +354,7 @@ class Trainer:
                 cfg.train.exit_interval and self.iteration % cfg.train.exit_interval == 0)
             val_loss = None
             if cfg.train.eval_interval and (self.iteration % cfg.train.eval_interval == 0 or last) and self.valid_ds:
-                PHASE["now"] = f"iteration {self.iteration}: evaluation"
+                self.control.phase = f"iteration {self.iteration}: evaluation"
                 val_loss = self.evaluate()
             if self.iteration % cfg.logging.log_interval == 0 or last or val_loss is not None:
                 if self.on_gpu:
@@ -375,7 +380,7 @@ class Trainer:
                 window_start, window_iters = time.perf_counter(), 0
             if cfg.checkpoint.save and (last or (cfg.checkpoint.save_interval
                                                  and self.iteration % cfg.checkpoint.save_interval == 0)):
-                PHASE["now"] = f"iteration {self.iteration}: checkpoint save"
+                self.control.phase = f"iteration {self.iteration}: checkpoint save"
                 self.save(last)
                 window_start, window_iters = time.perf_counter(), 0
             if profiling.end(self.iteration):  # writing a trace or snapshot is not an iteration's time

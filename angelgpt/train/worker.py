@@ -73,27 +73,35 @@ def resolve_here(cfg, on_gpu: bool, machine=None, alone: bool = False):
 
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     nodes = max(1, dist.get_world_size() // local)
-    choice = [None]
+    resolved = None
     if dist.get_rank() == 0 or alone:
         resolved, _ = resolve_config(cfg, machine or read_this_machine(cfg.zero_cache, local), local, nodes, on_gpu)
         line = resolved_line(cfg, resolved)
         if line and not alone:
             log.info(line)
-        choice = [resolved]
-    if not alone:
-        dist.broadcast_object_list(choice, src=0)
+    return resolved if alone else follow_rank0(resolved)
+
+
+def follow_rank0(cfg):
+    """Rank 0's config on every rank (what the others pass is replaced)."""
+    import torch.distributed as dist
+
+    choice = [cfg]
+    dist.broadcast_object_list(choice, src=0)
     return choice[0]
 
 
-def run(cfg, resolved: bool = False, shared=None) -> float:
-    return make_trainer(cfg, resolved=resolved, shared=shared).train()
+def run(cfg, resolved: bool = False, shared=None, control=None) -> float:
+    return make_trainer(cfg, resolved=resolved, shared=shared, control=control).train()
 
 
-def make_trainer(cfg, rehearse=None, shared=None, resolved: bool = False, machine=None):
+def make_trainer(cfg, rehearse=None, shared=None, resolved: bool = False, machine=None, control=None):
     """This rank's Trainer, everything built and resumed, ready to train(). `resolved`: `cfg` has no
     'auto' left (the launcher's run config), else it is resolved here (`resolve_here`, for `machine`
     where given). `rehearse` (parallel.Rehearsal): play that rank of its world alone, under the fake
-    process group; `shared` (parallel.SharedDevice): every rank on one GPU under gloo (tests)."""
+    process group; `shared` (parallel.SharedDevice): every rank on one GPU under gloo (tests).
+    `control` (train.loop.RunControl): the signals and phase the worker shares with the loop (one
+    with the signal handlers installed when not given)."""
     import torch
     from megatron.core import parallel_state
 
@@ -102,10 +110,11 @@ def make_trainer(cfg, rehearse=None, shared=None, resolved: bool = False, machin
     from angelgpt.data.dataset import build_datasets
     from angelgpt.data.tokenizer import MockTokenizer, check_vocabulary, load_tokenizer
     from angelgpt.planner import beside_store_bytes
-    from angelgpt.train.loop import Trainer, install_signal_handlers
+    from angelgpt.train.loop import RunControl, Trainer
 
     logging.getLogger("megatron.core.datasets").setLevel(logging.ERROR)  # index-cache chatter on stderr
-    install_signal_handlers()  # before anything slow: a signal during set-up stops at the first boundary
+    if control is None:  # before anything slow: a signal during set-up stops at the first boundary
+        control = RunControl().install_signal_handlers()
     on_gpu = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
     cfg.check_device(on_gpu)
     if on_gpu and not torch.cuda.is_available():
@@ -118,12 +127,7 @@ def make_trainer(cfg, rehearse=None, shared=None, resolved: bool = False, machin
     if not resolved:
         cfg = resolve_here(cfg, on_gpu, machine, alone=rehearse is not None)
     elif int(os.environ.get("WORLD_SIZE", "1")) > int(os.environ.get("LOCAL_WORLD_SIZE", "1")):
-        import torch.distributed as dist
-
-        # several nodes, a launcher each: every rank builds from node 0's resolution
-        choice = [cfg]
-        dist.broadcast_object_list(choice, src=0)
-        cfg = choice[0]
+        cfg = follow_rank0(cfg)  # several nodes, a launcher each: every rank builds from node 0's resolution
     torch.manual_seed(cfg.train.seed)
     if on_gpu:
         from megatron.core import tensor_parallel
@@ -145,7 +149,8 @@ def make_trainer(cfg, rehearse=None, shared=None, resolved: bool = False, machin
     gb = cfg.train.global_batch_size
     valid_samples = cfg.train.eval_iters * gb if cfg.train.eval_interval else 0
     train_ds, valid_ds = build_datasets(cfg, tokenizer, cfg.train.train_iters * gb, valid_samples)
-    trainer = Trainer(cfg, model, optimizer, scheduler, train_ds, valid_ds, on_gpu, rehearsal=rehearse is not None)
+    trainer = Trainer(cfg, model, optimizer, scheduler, train_ds, valid_ds, on_gpu, rehearsal=rehearse is not None,
+                      control=control)
     trainer.maybe_resume()
     log.info(f"training from iteration {trainer.iteration} to {cfg.train.train_iters} "
              f"(DP={parallel_state.get_data_parallel_world_size()}, "
@@ -164,24 +169,26 @@ def main(argv=None, shared=None) -> int:
     warnings.filterwarnings("ignore", category=UserWarning)
     warnings.filterwarnings("ignore", category=FutureWarning)
     from angelgpt.config import ConfigError, from_argv, resolve
+    from angelgpt.train.loop import RunControl
 
     run_config = os.environ.get(RUN_CONFIG_ENV)
+    control = RunControl().install_signal_handlers()
     try:
         cfg = resolve(None, run_config) if run_config else from_argv(sys.argv[1:] if argv is None else argv)
-        run(cfg, resolved=bool(run_config), shared=shared)
+        run(cfg, resolved=bool(run_config), shared=shared, control=control)
     except ConfigError as exc:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"angelgpt: error: {exc}", file=sys.stderr, flush=True)
         return 2
     except Exception as exc:
         from angelgpt import parallel
-        from angelgpt.train.loop import PHASE, TrainingAborted
+        from angelgpt.train.loop import TrainingAborted
 
         if parallel.is_timeout(exc):  # every rank that gave up says so: the silent one is the culprit
             report = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
             print(f"angelgpt: rank {os.environ.get('RANK', '0')}: a collective timed out after "
                   f"{cfg.parallel.distributed_timeout_minutes:g} min (parallel.distributed_timeout_minutes) during "
-                  f"{PHASE['now']}; another rank stopped answering ({report[:200]})", file=sys.stderr, flush=True)
+                  f"{control.phase}; another rank stopped answering ({report[:200]})", file=sys.stderr, flush=True)
             return 1
         if not isinstance(exc, TrainingAborted):
             raise
