@@ -56,7 +56,7 @@ HOST = {("offloaded", "both"): 0.0021, ("resident", "both"): 0.0026}
 
 
 def build(tmp_path, fmt=(), cpu_adam="native", name="a", layout="offloaded", host=None, device="cpu",
-          dtype=torch.bfloat16):
+          dtype=torch.bfloat16, seen=None):
     """The tiny model in bf16 (seed 0) and ZeRO-Cache over every tier: a third of the states on the
     device, host chunks half updated by the device, the rest on NVMe (LAYOUTS)."""
     from angelgpt.config import resolve
@@ -75,6 +75,9 @@ def build(tmp_path, fmt=(), cpu_adam="native", name="a", layout="offloaded", hos
     cfg, _ = resolve_config(cfg, MACHINES["h200"], 1, 1, on_gpu=device.type == "cuda")
     torch.manual_seed(0)
     model = build_gpt(cfg, on_gpu=False).to(device=device, dtype=dtype)
+    if seen is not None:  # each parameter's gradients as backward leaves them (a hook before the optimizer's)
+        for k, p in model.named_parameters():
+            p.register_post_accumulate_grad_hook(lambda p, k=k: seen.setdefault(k, []).append(p.grad.clone()))
     return cfg, model, ZeroCacheOptimizer(model, cfg, device, 0)
 
 
@@ -127,18 +130,26 @@ def test_compact_states_update_as_the_fp32_path_does(megatron_single_rank, tmp_p
     compare_formats(tmp_path, fmt, cpu_adam, layout, "cpu")
 
 
-def compare_formats(tmp_path, fmt, cpu_adam, layout, device):
+def compare_formats(tmp_path, fmt, cpu_adam, layout, device, min_same=1.0):
+    """The comparison above on `device`. Clipping is off, so each element's update depends on its own
+    gradient alone: a parameter is compared bit for bit where both runs' backward passes gave it the
+    same gradients (every one on a CPU; a GPU's atomics may add an embedding's rows in another order),
+    at least `min_same` of the parameters."""
     from angelgpt.zero_cache.precision import split_master
 
-    cfg, model, opt = build(tmp_path, cpu_adam=cpu_adam, name="ref", layout=layout, device=device)
-    cfg2, model2, opt2 = build(tmp_path, FORMATS[fmt], cpu_adam=cpu_adam, name="compact", layout=layout,
-                               host=HOST.get((layout, fmt)), device=device)
+    seen, seen2 = {}, {}
+    off = ["optim.clip_grad=0"]
+    cfg, model, opt = build(tmp_path, off, cpu_adam=cpu_adam, name="ref", layout=layout, device=device, seen=seen)
+    cfg2, model2, opt2 = build(tmp_path, [*FORMATS[fmt], *off], cpu_adam=cpu_adam, name="compact", layout=layout,
+                               host=HOST.get((layout, fmt)), device=device, seen=seen2)
     try:
         assert tiers(opt) == tiers(opt2) == LAYOUTS[layout][1]
         assert train_step(cfg, model, opt, 1) == train_step(cfg2, model2, opt2, 1)
         ref, got = states(model, opt), states(model2, opt2)
         remainders, bf16 = fmt != "bf16-moments", fmt != "remainders"
-        for k in ref:
+        same = [k for k in ref if all(torch.equal(a, b) for a, b in zip(seen[k], seen2[k]))]
+        assert len(same) >= min_same * len(ref), sorted(set(ref) - set(same))
+        for k in same:
             master, m, v, w = ref[k]
             master2, m2, v2, w2 = got[k]
             assert torch.equal(master2.view(torch.int32), master.view(torch.int32)), k
