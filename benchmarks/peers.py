@@ -50,7 +50,9 @@ def parse_case(text: str):
 
 
 CASE_KEYS = {"model.recompute": "recompute", "zero_cache.prefetch_cache_sub_group_rate": "rate",
-             "zero_cache.device_update_fraction": "devupdate", "zero_cache.cpu_adam": "cpuadam"}
+             "zero_cache.device_update_fraction": "devupdate", "zero_cache.cpu_adam": "cpuadam",
+             "optim.store_param_remainders": "remainders", "optim.exp_avg_dtype": "expavg",
+             "optim.exp_avg_sq_dtype": "expavgsq", "optim.accumulate_grads_in_fp32": "fp32sums"}
 
 
 def case_name(system: str, layers: int, mb: int, gb: int, case_extra) -> str:

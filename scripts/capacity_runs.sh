@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# ZeRO-Cache's compact states at their largest sizes on one H200, beside Megatron's distributed optimizer at
+# its largest (7 layers of the 55 shape) for the speed ratio, in one device call (one result file per case,
+# benchmarks.peers; the report takes ratios only from files of one call):
+#   remainders (16 bytes a parameter with fp32 sums) at 18 layers, remainders and bf16 moments (12) at 23.
+#   bash scripts/capacity_runs.sh [ITERS] [WARMUP]     (--force: a case run before gets its next -runN file)
+# Installs any wheels found in .whl/ (scripts/device_wheels.sh).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. scripts/device_wheels.sh
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export ANGELGPT_BENCH_CALL=${ANGELGPT_BENCH_CALL:-capacity-$(date -u +%Y%m%dT%H%M%SZ)-$$}
+compact=optim.store_param_remainders=true,optim.exp_avg_dtype=bf16,optim.exp_avg_sq_dtype=bf16
+python3 -m benchmarks.peers run --force --iters "${1:-3}" --warmup "${2:-1}" \
+  megatron:7:2:32:model.recompute=none \
+  zero_cache:18:2:32:optim.store_param_remainders=true \
+  zero_cache:23:2:32:$compact
