@@ -1,12 +1,14 @@
 """Host update of one slice, as ZeRO-Cache's update thread does it: bf16 gradient in, fp32 AdamW,
 bf16 weights out into a pinned upload buffer. Compares the one-pass kernel (zero_cache.cpu_adam=native)
-with torch's fused AdamW and the two conversions around it ('torch').
+with torch's fused AdamW and the two conversions around it ('torch'), and times the kernel on the compact
+states too ('native-compact': the master as the bf16 weight, read and written in place, and an int16
+remainder; bf16 moments: optim.store_param_remainders, optim.exp_avg_dtype and exp_avg_sq_dtype bf16).
 
     python scripts/bench_cpu_adam.py [--numel 67108864] [--threads N] [--repeats 7] [--out benchmarks/results]
 
 Writes <out>/cpu_adam-<numel>[-t<threads>].json (a run again -runN.json; benchmarks.results writes it): the
 command, commit, machine, median seconds and G params/s of each path, and the largest difference between the
-two paths' master weights.
+two paths' master weights (and between the compact kernel's decoded master and the native one's).
 """
 
 from __future__ import annotations
@@ -52,6 +54,12 @@ def main() -> int:
 
     states = {"native": buffers()}
     states["torch"] = states["native"].clone()
+    from angelgpt.zero_cache.precision import join_master, split_master
+
+    weights = torch.empty(n, dtype=torch.bfloat16, pin_memory=pin)  # the compact states, from the same start
+    compact = [torch.empty(n, dtype=torch.int16), states["native"][1].to(torch.bfloat16),
+               states["native"][2].to(torch.bfloat16)]
+    split_master(states["native"][0], weights, compact[0])
     grad = torch.empty(n, dtype=torch.bfloat16, pin_memory=pin).normal_(generator=gen).mul_(1e-3)
     out = torch.empty(n, dtype=torch.bfloat16, pin_memory=pin)
     scratch = torch.empty(n, pin_memory=pin)  # the torch path's fp32 gradient
@@ -62,6 +70,9 @@ def main() -> int:
     def native(step):
         kernel.step(states["native"], grad, out, step=step, coef=0.5, **hyper)
 
+    def native_compact(step):
+        kernel.step(compact, grad, None, step=step, coef=0.5, hi=weights, **hyper)
+
     def torch_path(step):
         st = states["torch"]
         scratch.copy_(grad)
@@ -71,9 +82,9 @@ def main() -> int:
                             eps=hyper["eps"], amsgrad=False, maximize=False, grad_scale=torch.tensor(2.0))
         out.copy_(st[0])
 
-    times = {"native": [], "torch": []}
+    times = {"native": [], "torch": [], "native-compact": []}
     for step in range(1, args.repeats + 2):  # the first round warms up (page faults, thread start)
-        for name, fn in (("native", native), ("torch", torch_path)):
+        for name, fn in (("native", native), ("torch", torch_path), ("native-compact", native_compact)):
             t0 = time.perf_counter()
             fn(step)
             if step > 1:
@@ -86,9 +97,13 @@ def main() -> int:
         "gparams_per_s": {k: n / statistics.median(v) / 1e9 for k, v in times.items()},
         "speedup": statistics.median(times["torch"]) / statistics.median(times["native"]),
         "master_max_rel_diff": diff,
+        "compact_speedup": statistics.median(times["native"]) / statistics.median(times["native-compact"]),
+        "compact_master_max_rel_diff": ((join_master(weights, compact[0], torch.empty(n)) - states["native"][0]).abs()
+                                        .max() / states["native"][0].abs().max()).item(),
     })
     print(f"wrote {write_result(args.out, result, indent=1)}")
-    print(json.dumps({k: result[k] for k in ("median_s", "gparams_per_s", "speedup", "master_max_rel_diff")}))
+    print(json.dumps({k: result[k] for k in ("median_s", "gparams_per_s", "speedup", "master_max_rel_diff",
+                                                      "compact_speedup", "compact_master_max_rel_diff")}))
     return 0
 
 
