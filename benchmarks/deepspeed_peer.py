@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from angelgpt.config import Config, ConfigError, resolve
+from angelgpt.config import Config, ConfigError, parse
 from angelgpt.model.flops import flops_per_iteration
 from angelgpt.optimizer import no_weight_decay
 from angelgpt.train.metrics import MetricsWriter, gpu_memory_gib, host_memory_gib
@@ -264,7 +264,7 @@ def main(argv=None) -> int:
         return 2
     rest = [o for o in args.overrides if o not in ds_keys and not o.startswith("deepspeed_config=")]
     try:
-        cfg = resolve(args.size, None, rest)
+        cfg = parse(args.size, None, rest)
     except ConfigError as exc:
         print(f"bench_deepspeed: {exc}", file=sys.stderr)
         return 2

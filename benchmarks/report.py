@@ -231,7 +231,7 @@ def render(**context) -> str:
 
 def generate(results: Path):
     """(BENCHMARKS.md's text, the data of the chart)."""
-    from angelgpt.config import resolve
+    from angelgpt.config import parse
     from angelgpt.model.flops import num_params
 
     cases = runs_by_case(results)
@@ -242,7 +242,7 @@ def generate(results: Path):
         rows.append(row(*newest))
         earlier += [(row(*run), newest[0].name) for run in older]
     for r in rows + [e for e, _ in earlier]:
-        r["params"] = num_params(resolve("h200-16b", overrides=[f"model.num_layers={r['layers']}"]))
+        r["params"] = num_params(parse("h200-16b", overrides=[f"model.num_layers={r['layers']}"]))
     # each system's largest completed size as it trains by default: at the global batch of Megatron's largest
     # (every peer's), else at any; ZeRO-Cache's largest at any global batch and with bf16 sums beside it
     done = [r for r in rows if r["ok"]]

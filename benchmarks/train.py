@@ -37,9 +37,9 @@ def given_config(size: str, overrides) -> dict:
     """Every field of the config the run was given ('auto' as given; the run's `settings` lines say
     what it resolved to), so that a default that changes later is still on record."""
     try:
-        from angelgpt.config import resolve, to_dict
+        from angelgpt.config import parse, to_dict
 
-        return to_dict(resolve(size, None, list(overrides)))
+        return to_dict(parse(size, None, list(overrides)))
     except Exception as exc:  # the run itself reports bad input; angelgpt not importable here: said so
         return {"error": f"{type(exc).__name__}: {exc}"}
 
@@ -48,12 +48,12 @@ def predicted(size: str, overrides, machine_info: dict) -> dict:
     """The planner's prediction for this run on this machine (peak GPU and host memory, step time)."""
     from dataclasses import replace
 
-    from angelgpt.config import resolve
+    from angelgpt.config import parse
     from angelgpt.planner import GIB, MACHINES, plan_for
     from angelgpt.zero_cache.placement import CHUNK
 
     try:
-        cfg = resolve(size, None, list(overrides))
+        cfg = parse(size, None, list(overrides))
     except Exception as exc:  # the run itself reports bad input
         return {"error": str(exc)}
     hw = MACHINES["h200"]

@@ -35,10 +35,10 @@ def _model(size: str, tp: int, layers: int):
     from megatron.core import tensor_parallel
     from megatron.core.transformer.module import Float16Module
 
-    from angelgpt.config import resolve
+    from angelgpt.config import parse
     from angelgpt.model.gpt import build_gpt
 
-    cfg = resolve(size, None, [f"model.num_layers={layers}", f"parallel.tensor_model_parallel_size={tp}",
+    cfg = parse(size, None, [f"model.num_layers={layers}", f"parallel.tensor_model_parallel_size={tp}",
                                "parallel.pipeline_model_parallel_size=1",
                                f"parallel.sequence_parallel={'true' if tp > 1 else 'false'}",
                                "model.recompute=full", "model.activation_offload=none"])
@@ -137,11 +137,11 @@ def main() -> int:
     a = ap.parse_args()
     import torch
 
-    from angelgpt.config import ConfigError, resolve
+    from angelgpt.config import ConfigError, parse
 
     for size in a.size:
         try:
-            resolve(size, None, [])
+            parse(size, None, [])
         except ConfigError as exc:
             ap.error(f"--size {size}: {exc}")
     if not torch.cuda.is_available():

@@ -19,7 +19,7 @@ import shlex
 import statistics
 from typing import Dict, List, Optional, Tuple
 
-from angelgpt.config import resolve
+from angelgpt.config import parse
 from angelgpt.system import GIB
 from tests.helpers import ROOT
 
@@ -77,11 +77,11 @@ def config_of(run: dict, overrides: Tuple[str, ...] = ()):
         if "zero_cache.prefetch_cache_sub_group_rate=auto" in given and chosen.get("rate") is not None:
             settled.append(f"zero_cache.prefetch_cache_sub_group_rate={chosen['rate']}")
     words = [*given, *settled, "model.activation_offload=none", *overrides]
-    cfg = resolve(size, overrides=words)
+    cfg = parse(size, overrides=words)
     recorded = ((run.get("config") or {}).get("optim") or {}).get("accumulate_grads_in_fp32")
     if recorded is None:  # before the field: fp32 for Megatron's optimizers, the model dtype for ZeRO-Cache
         recorded = cfg.optim.optimizer != "zero_cache"
-    return resolve(size, overrides=[*words, f"optim.accumulate_grads_in_fp32={str(bool(recorded)).lower()}"])
+    return parse(size, overrides=[*words, f"optim.accumulate_grads_in_fp32={str(bool(recorded)).lower()}"])
 
 
 def gpu_measured_gib(allocated_gib: float) -> float:

@@ -20,7 +20,7 @@ import typer
 import yaml
 
 from angelgpt.cli.launch import fail
-from angelgpt.config import ConfigError, preset_names, resolve, to_dict
+from angelgpt.config import ConfigError, preset_names, parse, to_dict
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   rich_markup_mode=None, help="GPT pretraining on Megatron-core with ZeRO-Cache.")
@@ -61,7 +61,7 @@ def presets_list() -> None:
 
     print(f"{'preset':<10} {'layers':>6} {'hidden':>6} {'heads':>5} {'seq':>5} {'params':>9}  optimizer")
     for name in preset_names():
-        cfg = resolve(name)
+        cfg = parse(name)
         m = cfg.model
         print(f"{name:<10} {m.num_layers:>6} {m.hidden_size:>6} {m.num_attention_heads:>5} {m.seq_length:>5} "
               f"{format_params(num_params(cfg)):>9}  {cfg.optim.optimizer}")
@@ -71,7 +71,7 @@ def presets_list() -> None:
 def presets_show(name: str = typer.Argument(..., help="preset name"),
                  as_json: bool = typer.Option(False, "--json", help="print JSON (config and params)")) -> None:
     """The resolved config of a preset and the exact parameter count of its GPT."""
-    summary = _summary(resolve(name))
+    summary = _summary(parse(name))
     if as_json:
         print(json.dumps(summary, indent=2))
     else:
@@ -154,7 +154,7 @@ def plan(
             fail(f"{name} must be > 0, got {value}")
     if nvme is not None and nvme < 0:
         fail(f"--nvme must be >= 0, got {nvme}")
-    cfg = resolve(size, config, list(overrides or []))
+    cfg = parse(size, config, list(overrides or []))
     cfg.check_device(on_gpu=True)  # plans are for GPUs: what training on one refuses, this refuses too
     hw = machine_from(machine, gpu_mem_gib=gpu_mem, host_mem_gib=host_mem, nvme_gib=nvme, pcie_gbs=pcie_gbs,
                       nvme_gbs=nvme_gbs, net_gbps=net_gbps, gpu_tflops=gpu_tflops, gpus_per_node=gpus_per_node)
@@ -211,7 +211,7 @@ def train(
         extra.append(f"checkpoint.save={save}")
     if load:
         extra.append(f"checkpoint.load={load}")
-    cfg = resolve(size, config, extra)
+    cfg = parse(size, config, extra)
     wanted = device or (None if cfg.train.device == "auto" else cfg.train.device)
     if machine is not None and machine not in MACHINES:
         fail(f"--machine must be one of {', '.join(MACHINES)}, got '{machine}'")

@@ -1,7 +1,8 @@
-"""Resolve a Config: KEY=VALUE overrides > user YAML > preset > dataclass defaults.
+"""Parse a Config: KEY=VALUE overrides > user YAML > preset > dataclass defaults (the first step: the
+planner's resolve_config then makes every 'auto' concrete, and plans).
 
-    from angelgpt.config import resolve
-    cfg = resolve(size="tiny", overrides=["model.num_layers=4", "train_iters=10"])
+    from angelgpt.config import parse
+    cfg = parse(size="tiny", overrides=["model.num_layers=4", "train_iters=10"])
 
 Keys are ``section.field`` or, when the field name is unique across sections, the bare field name.
 A YAML section written as a scalar (``data: mock``) sets that section's first field.
@@ -171,9 +172,9 @@ def parse_override(item: str) -> typing.Tuple[str, str, Any]:
     return section, name, value
 
 
-def resolve(size: Optional[str] = None, config_file: Optional[str] = None,
-            overrides: Optional[List[str]] = None) -> Config:
-    """Builds and validates the Config; raises ConfigError with one line on bad input."""
+def parse(size: Optional[str] = None, config_file: Optional[str] = None,
+          overrides: Optional[List[str]] = None) -> Config:
+    """Builds and validates the Config ('auto' left as given); raises ConfigError with one line on bad input."""
     if size is None and config_file is None:
         size = CUSTOM
     layers: Dict[str, Dict[str, Any]] = {}
@@ -218,7 +219,7 @@ def from_argv(argv: List[str]) -> Config:
             raise ConfigError(f"unknown worker option '{item}'; a worker takes --size, --config and KEY=VALUE")
         else:
             overrides.append(item)
-    return resolve(size, config_file, overrides)
+    return parse(size, config_file, overrides)
 
 
 def to_dict(cfg: Config) -> Dict[str, Any]:

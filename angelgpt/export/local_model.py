@@ -35,7 +35,7 @@ def run_config(reader, overrides: Optional[List[str]] = None, device: str = "cpu
     vocabulary, no recompute, local layers, no save or load; KEY=VALUE overrides on top."""
     import yaml
 
-    from angelgpt.config import resolve
+    from angelgpt.config import parse
 
     raw = {k: dict(v) if isinstance(v, dict) else v for k, v in reader.config.items()}
     padded = int(reader.shape("embedding.word_embeddings.weight")[0])
@@ -52,7 +52,7 @@ def run_config(reader, overrides: Optional[List[str]] = None, device: str = "cpu
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="angelgpt-run-") as fh:
         yaml.safe_dump(raw, fh)
         fh.flush()
-        cfg = resolve(None, fh.name, list(overrides or []))
+        cfg = parse(None, fh.name, list(overrides or []))
     if cfg.padded_vocab_size() != padded:
         raise ConfigError(f"model.vocab_size {cfg.model.vocab_size} does not fit the checkpoint's vocabulary "
                           f"of {padded}")

@@ -168,13 +168,13 @@ def main(argv=None, shared=None) -> int:
     watch_launcher()  # a worker of `angelgpt train` ends when the launcher does, SIGKILL included
     warnings.filterwarnings("ignore", category=UserWarning)
     warnings.filterwarnings("ignore", category=FutureWarning)
-    from angelgpt.config import ConfigError, from_argv, resolve
+    from angelgpt.config import ConfigError, from_argv, parse
     from angelgpt.train.loop import RunControl
 
     run_config = os.environ.get(RUN_CONFIG_ENV)
     control = RunControl().install_signal_handlers()
     try:
-        cfg = resolve(None, run_config) if run_config else from_argv(sys.argv[1:] if argv is None else argv)
+        cfg = parse(None, run_config) if run_config else from_argv(sys.argv[1:] if argv is None else argv)
         run(cfg, resolved=bool(run_config), shared=shared, control=control)
     except ConfigError as exc:
         if int(os.environ.get("RANK", "0")) == 0:

@@ -16,12 +16,12 @@ warnings.filterwarnings("ignore")
 
 
 def main() -> None:
-    from angelgpt.config import resolve
+    from angelgpt.config import parse
     from angelgpt.train import checkpoint, checkpoint_writer
     from angelgpt.train.worker import make_trainer
 
     async_dir, ref_dir = sys.argv[1], sys.argv[2]
-    cfg = resolve("tiny", None, ["train.device=cpu", "optim.optimizer=zero_cache", "train.train_iters=4",
+    cfg = parse("tiny", None, ["train.device=cpu", "optim.optimizer=zero_cache", "train.train_iters=4",
                                  "checkpoint.save_interval=2", f"checkpoint.save={async_dir}",
                                  "checkpoint.async_save=true", "logging.log_interval=1"])
     trainer = make_trainer(cfg)

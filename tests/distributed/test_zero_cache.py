@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from angelgpt.config import resolve
+from angelgpt.config import parse
 from angelgpt.planner.plan import rank_tier_bytes
 from angelgpt.zero_cache import placement
 from tests.helpers import ROOT, check_one_line_error, run_cli, train_tiny
@@ -60,7 +60,7 @@ def test_update_equals_torch_adamw(tmp_path, dp, rate, nvme):
         for tier, planned in r["planned"].items():
             assert r["allocated"][tier] == planned, (tier, r)
         # the planner, from the config alone, predicts what this rank's allocator handed out, per tier
-        cfg = resolve("tiny", overrides=["optim.optimizer=zero_cache", *overrides])
+        cfg = parse("tiny", overrides=["optim.optimizer=zero_cache", *overrides])
         host_limit = cfg.zero_cache.host_max_gib * 2 ** 30 if nvme else 1 << 50
         predicted = rank_tier_bytes(cfg, dp, r["rank"], rate, host_limit, nvme, model_bytes=4, fraction=fraction)[2]
         for tier in ("device", "host", "nvme"):
@@ -99,7 +99,7 @@ def test_accumulating_in_the_store_equals_torch_adamw(tmp_path, dp):
             assert r["first_update_max_rel_err"] < 1e-6, (extra, r)
             assert r["three_updates_rel_err"] < 1e-6, (extra, r)
             assert set(r["tiers"]) == {"device", "host"} and r["offloaded_layers"], r
-            cfg = resolve("tiny", overrides=["optim.optimizer=zero_cache", "train.micro_batch_size=2",
+            cfg = parse("tiny", overrides=["optim.optimizer=zero_cache", "train.micro_batch_size=2",
                                              f"train.global_batch_size={6 * dp}", "zero_cache.offload_params=true",
                                              *extra])
             predicted = rank_tier_bytes(cfg, dp, r["rank"], rate, 1 << 50, False, model_bytes=4)[2]
@@ -117,7 +117,7 @@ def test_host_chunks_updated_on_the_device_equal_torch_adamw(tmp_path, monkeypat
                  f"zero_cache.device_update_fraction={fraction}", "zero_cache.accumulate_in_store=true"]
     ranks = adamw_check(tmp_path, 2, *overrides,
                         env_extra={"ANGELGPT_ZERO_CACHE_SLICE": "1000", "ANGELGPT_CHECK_MICROBATCHES": "2"})
-    cfg = resolve("tiny", overrides=["optim.optimizer=zero_cache", "train.micro_batch_size=2",
+    cfg = parse("tiny", overrides=["optim.optimizer=zero_cache", "train.micro_batch_size=2",
                                      "train.global_batch_size=8", *overrides])
     for r in ranks:
         assert r["first_update_max_rel_err"] < 1e-6, r
@@ -150,7 +150,7 @@ def test_a_layer_split_between_device_and_host_equals_torch_adamw(tmp_path, monk
     assert r["chunks_per_group"] >= 4 and r["split_groups"], r  # three weight chunks and the biases
     assert not set(r["split_groups"]) & set(r["offloaded_layers"]), r  # a layer partly on the device keeps its weights
     monkeypatch.setattr(placement, "CHUNK", 16384)
-    cfg = resolve("tiny", overrides=["optim.optimizer=zero_cache", "train.micro_batch_size=2",
+    cfg = parse("tiny", overrides=["optim.optimizer=zero_cache", "train.micro_batch_size=2",
                                      "train.global_batch_size=4", *overrides])
     predicted = rank_tier_bytes(cfg, 1, 0, 0.5, 1 << 50, False, model_bytes=4, fraction=0.5)[2]
     for tier in ("device", "host"):
@@ -170,7 +170,7 @@ def test_offloaded_weights_update_equals_torch_adamw(tmp_path, dp, nvme, cpu_ada
         host_gib = 0.0025 if dp == 1 else 0.0016  # some states on the host, the rest on NVMe
         overrides += [f"zero_cache.nvme_path={tmp_path / 'nvme'}", f"zero_cache.host_max_gib={host_gib}"]
     ranks = adamw_check(tmp_path, dp, *overrides)
-    cfg = resolve("tiny", overrides=["optim.optimizer=zero_cache", *overrides])
+    cfg = parse("tiny", overrides=["optim.optimizer=zero_cache", *overrides])
     for r in ranks:
         assert r["cpu_adam"] == ("native" if cpu_adam == "auto" and shutil.which("cc") else "torch"), r
         assert r["first_update_max_rel_err"] < 1e-6, r

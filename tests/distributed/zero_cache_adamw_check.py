@@ -73,14 +73,14 @@ def main():
     from megatron.core import parallel_state
 
     from angelgpt import parallel
-    from angelgpt.config import resolve
+    from angelgpt.config import parse
     from angelgpt.model.gpt import build_gpt
     from angelgpt.optimizer.cpu import param_groups
     from angelgpt.optimizer.zero_cache import ZeroCacheOptimizer
 
     micro = int(os.environ.get("ANGELGPT_CHECK_MICROBATCHES", "1"))  # backward passes per step
     dp_size = int(os.environ.get("WORLD_SIZE", "1"))
-    cfg = resolve("tiny", overrides=["optim.optimizer=zero_cache", "optim.clip_grad=0.5", "optim.weight_decay=0.1",
+    cfg = parse("tiny", overrides=["optim.optimizer=zero_cache", "optim.clip_grad=0.5", "optim.weight_decay=0.1",
                                      "train.micro_batch_size=2", f"train.global_batch_size={2 * dp_size * micro}",
                                      *overrides])
     on_gpu = os.environ.get("ANGELGPT_CHECK_DEVICE") == "cuda"  # fp32 model on CUDA: device tier on the GPU

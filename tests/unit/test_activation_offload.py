@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from angelgpt.config import resolve
+from angelgpt.config import parse
 from angelgpt.planner import machine_from, plan_for, resolve_config, resolved_line
 from angelgpt.planner.plan import activation_bytes, offloaded_activation_bytes, plan_zero_cache
 from tests.helpers import check_one_line_error, run_cli, train_tiny
@@ -20,7 +20,7 @@ PINNED = ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=t
 
 
 def _55(*overrides):
-    return resolve("55", overrides=[*PINNED, *overrides])
+    return parse("55", overrides=[*PINNED, *overrides])
 
 
 def test_the_offload_moves_exactly_the_recomputed_layers_inputs_from_gpu_to_host():
@@ -73,9 +73,9 @@ def test_auto_offloads_where_only_that_fits_and_not_where_keeping_them_fits():
 
 def test_on_cpu_auto_is_none_and_checkpoints_stays():
     cpu = machine_from("a100-40gx8")
-    out, _ = resolve_config(resolve("tiny"), cpu, 1, 1, on_gpu=False)
+    out, _ = resolve_config(parse("tiny"), cpu, 1, 1, on_gpu=False)
     assert out.model.activation_offload == "none"
-    kept, _ = resolve_config(resolve("tiny", overrides=["model.activation_offload=checkpoints"]), cpu, 1, 1, False)
+    kept, _ = resolve_config(parse("tiny", overrides=["model.activation_offload=checkpoints"]), cpu, 1, 1, False)
     assert kept.model.activation_offload == "checkpoints"  # the CPU stand-in: every saved tensor
 
 
@@ -90,7 +90,7 @@ def test_checkpoints_without_full_recompute_on_gpu_is_one_line_and_bad_values_to
     report = json.loads(proc.stdout)
     acts = report["activations_bytes"]
     assert acts["with_recompute"] - acts["with_recompute_offloaded"] == offloaded_activation_bytes(
-        resolve("tiny", overrides=["model.activation_offload=checkpoints", "model.recompute=full"]))
+        parse("tiny", overrides=["model.activation_offload=checkpoints", "model.recompute=full"]))
     assert report["plans"]["zero_cache"]["activation_offload"] == "checkpoints"
 
 
@@ -128,7 +128,7 @@ def test_the_hooks_move_exactly_the_inputs_that_recompute_keeps_and_change_nothi
     (the CPU stand-in) moves every saved tensor, the same."""
     from angelgpt.model.gpt import build_gpt
 
-    cfg = resolve("tiny", overrides=["model.num_layers=3", "model.recompute=full"]
+    cfg = parse("tiny", overrides=["model.num_layers=3", "model.recompute=full"]
                   + ([f"model.recompute_num_layers={k}"] if k else []))
     model = build_gpt(cfg, on_gpu=False)
     loss, grads, _ = _grads_after(model, cfg, None)

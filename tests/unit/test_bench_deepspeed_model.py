@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from angelgpt.config import resolve
+from angelgpt.config import parse
 from angelgpt.model.flops import num_params
 from benchmarks.deepspeed_peer import CONFIGS, GPT, MegatronLR, ds_config, param_groups, train_batches
 from tests.helpers import ROOT, read_metrics, train_tiny
@@ -48,7 +48,7 @@ def start(megatron_single_rank):
     script's GPT holding those weights."""
     from angelgpt.model.gpt import build_gpt
 
-    cfg = resolve("tiny", overrides=[f"train.train_iters={ITERS}"])
+    cfg = parse("tiny", overrides=[f"train.train_iters={ITERS}"])
     torch.manual_seed(cfg.train.seed)  # as the worker seeds before building
     megatron = build_gpt(cfg, on_gpu=False)
     model = GPT(cfg)
@@ -60,7 +60,7 @@ def start(megatron_single_rank):
 
 @pytest.mark.parametrize("name, layers", [("tiny", 2), ("h200-16b", 1), ("h200-16b", 3)])
 def test_parameter_count_matches_megatron_gpt(name, layers):
-    cfg = resolve(name, overrides=[f"model.num_layers={layers}"])
+    cfg = parse(name, overrides=[f"model.num_layers={layers}"])
     with torch.device("meta"):
         model = GPT(cfg)
     assert model.lm_head.weight is model.wte.weight  # tied, counted once
@@ -149,7 +149,7 @@ def test_initial_scale_per_tensor_class_is_megatrons(megatron_single_rank):
     projections std, output projections std/sqrt(2 L), zero biases, unit norms."""
     from angelgpt.model.gpt import build_gpt
 
-    cfg = resolve("tiny", overrides=["model.hidden_size=256", "model.ffn_hidden_size=1024", "model.num_layers=4",
+    cfg = parse("tiny", overrides=["model.hidden_size=256", "model.ffn_hidden_size=1024", "model.num_layers=4",
                                      "model.vocab_size=2048"])
     torch.manual_seed(0)
     megatron = dict(build_gpt(cfg, on_gpu=False).named_parameters())
@@ -184,7 +184,7 @@ def test_recompute_keeps_gradients(start):
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_deepspeed_configs_carry_batch_adamw_and_placement(name):
-    cfg = resolve("h200-16b", overrides=["model.num_layers=7", "train.micro_batch_size=4",
+    cfg = parse("h200-16b", overrides=["model.num_layers=7", "train.micro_batch_size=4",
                                          "train.global_batch_size=32", "optim.clip_grad=0.5"])
     ds = ds_config(cfg, world=1, on_gpu=True, name=name)
     assert ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] == ds["train_batch_size"] == 32

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from angelgpt.cli import job
-from angelgpt.config import resolve
+from angelgpt.config import parse
 from benchmarks.train import failure
 
 
@@ -16,7 +16,7 @@ def test_a_refusal_before_launch_is_recorded_with_what_was_short(monkeypatch, ca
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda i: SimpleNamespace(name="NVIDIA H200", total_memory=150_117_965_824))
-    cfg = resolve("h200-16b", overrides=["model.num_layers=20", "train.global_batch_size=32"])
+    cfg = parse("h200-16b", overrides=["model.num_layers=20", "train.global_batch_size=32"])
     _, _, planned, _ = job.resolve_for(cfg, True, 1, 1)
     with pytest.raises(SystemExit) as exit_:
         job.check_plan(planned, force=False)

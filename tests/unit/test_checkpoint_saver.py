@@ -9,11 +9,11 @@ import torch
 
 @pytest.fixture
 def tiny(megatron_single_rank):
-    from angelgpt.config import resolve
+    from angelgpt.config import parse
     from angelgpt.planner import MACHINES, resolve_config
     from angelgpt.train.worker import build
 
-    cfg, _ = resolve_config(resolve("tiny", overrides=["train.device=cpu"]), MACHINES["h200"], 1, 1, on_gpu=False)
+    cfg, _ = resolve_config(parse("tiny", overrides=["train.device=cpu"]), MACHINES["h200"], 1, 1, on_gpu=False)
     torch.manual_seed(0)
     return build(cfg, on_gpu=False)
 

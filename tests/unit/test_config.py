@@ -2,14 +2,14 @@
 
 import pytest
 
-from angelgpt.config import ConfigError, resolve
+from angelgpt.config import ConfigError, parse
 from angelgpt.config.schema import Config
 
 
 def test_precedence(tmp_path):
     user = tmp_path / "user.yaml"
     user.write_text("model:\n  num_layers: 3\n  hidden_size: 128\ntrain:\n  train_iters: 7\n")
-    cfg = resolve("tiny", str(user), ["model.num_layers=5"])
+    cfg = parse("tiny", str(user), ["model.num_layers=5"])
     assert cfg.model.num_layers == 5          # override beats YAML
     assert cfg.model.hidden_size == 128       # YAML beats preset (64)
     assert cfg.model.seq_length == 64         # preset beats default (128)
@@ -18,14 +18,14 @@ def test_precedence(tmp_path):
 
 
 def test_bare_keys_and_scalar_sections():
-    cfg = resolve("tiny", overrides=["num_layers=4", "prefetch_cache_sub_group_rate=auto", "data=mock"])
+    cfg = parse("tiny", overrides=["num_layers=4", "prefetch_cache_sub_group_rate=auto", "data=mock"])
     assert cfg.model.num_layers == 4
     assert cfg.zero_cache.prefetch_cache_sub_group_rate == "auto"
     assert cfg.data.is_mock
 
 
 def test_derived_fields():
-    cfg = resolve("custom", overrides=["hidden_size=96", "num_attention_heads=6"])
+    cfg = parse("custom", overrides=["hidden_size=96", "num_attention_heads=6"])
     assert cfg.model.kv_channels == 16 and cfg.model.ffn_hidden_size == 384 and cfg.model.num_query_groups == 6
 
 
@@ -47,17 +47,17 @@ def test_derived_fields():
 ])
 def test_section_checks(overrides, needle):
     with pytest.raises(ConfigError, match=needle):
-        resolve("tiny", overrides=overrides)
+        parse("tiny", overrides=overrides)
 
 
 def test_world_size_checks():
-    cfg = resolve("tiny", overrides=["parallel.tensor_model_parallel_size=2"])
+    cfg = parse("tiny", overrides=["parallel.tensor_model_parallel_size=2"])
     assert cfg.data_parallel_size(4) == 2
     with pytest.raises(ConfigError, match="not divisible"):
         cfg.data_parallel_size(3)
     with pytest.raises(ConfigError, match="global_batch_size"):
-        resolve("tiny", overrides=["train.micro_batch_size=8"]).data_parallel_size(2)
+        parse("tiny", overrides=["train.micro_batch_size=8"]).data_parallel_size(2)
 
 
 def test_exponent_without_dot_is_a_float():
-    assert resolve("tiny", overrides=["optim.lr=1e-2"]).optim.lr == 1e-2
+    assert parse("tiny", overrides=["optim.lr=1e-2"]).optim.lr == 1e-2

@@ -7,7 +7,7 @@ import os
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from angelgpt.config import ConfigError, resolve
+from angelgpt.config import ConfigError, parse
 from angelgpt.config.schema import SECTIONS
 
 KEYS = [f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
@@ -27,7 +27,7 @@ def _accepts_or_refuses(fn):
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(key=st.sampled_from(KEYS) | st.text(max_size=15), value=st.one_of(st.text(max_size=20), scalars.map(repr)))
 def test_random_overrides(key, value):
-    _accepts_or_refuses(lambda: resolve("tiny", overrides=[f"{key}={value}"]).data_parallel_size(1))
+    _accepts_or_refuses(lambda: parse("tiny", overrides=[f"{key}={value}"]).data_parallel_size(1))
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -37,7 +37,7 @@ def test_malformed_yaml(tmp_path_factory, text):
     path = d / "c.yaml"
     path.write_text(text)
     before = sorted(os.listdir(d))
-    _accepts_or_refuses(lambda: resolve("tiny", str(path)))
+    _accepts_or_refuses(lambda: parse("tiny", str(path)))
     assert sorted(os.listdir(d)) == before
 
 
@@ -49,4 +49,4 @@ def test_random_sections(tmp_path_factory, section, body):
 
     path = tmp_path_factory.mktemp("s") / "c.yaml"
     path.write_text(yaml.safe_dump({section: body}))
-    _accepts_or_refuses(lambda: resolve(None, str(path)))
+    _accepts_or_refuses(lambda: parse(None, str(path)))

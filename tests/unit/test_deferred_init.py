@@ -5,12 +5,12 @@ On CPU the materialized layers are the ordinary build's, bit for bit."""
 import pytest
 import torch
 
-from angelgpt.config import resolve
+from angelgpt.config import parse
 from angelgpt.planner import MACHINES, resolve_config
 
 
 def _zero_cache_cfg(*overrides):
-    cfg = resolve("tiny", overrides=["optim.optimizer=zero_cache", "model.num_layers=4", "train.micro_batch_size=2",
+    cfg = parse("tiny", overrides=["optim.optimizer=zero_cache", "model.num_layers=4", "train.micro_batch_size=2",
                                      "train.global_batch_size=2", *overrides])
     cfg, _ = resolve_config(cfg, MACHINES["h200"], 1, 1, False)
     return cfg

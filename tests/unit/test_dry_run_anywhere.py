@@ -37,7 +37,7 @@ def test_gpu_job_dry_run_without_a_gpu_prints_config_command_and_skips_the_plan(
 def test_dry_run_with_machine_prints_that_machines_plan(no_gpu):
     from dataclasses import replace
 
-    from angelgpt.config import resolve
+    from angelgpt.config import parse
     from angelgpt.planner import GIB, machine_from, resolve_config
 
     proc = run_cli(*JOB, "--machine", "a100-40gx8")
@@ -49,7 +49,7 @@ def test_dry_run_with_machine_prints_that_machines_plan(no_gpu):
     resolved = next(l for l in proc.stdout.splitlines() if l.startswith("resolved: "))
     assert "train.device=cuda" in resolved and "zero_cache.device_update_fraction=" in resolved
     assert "device: cuda" in proc.stdout
-    cfg, planned = resolve_config(resolve("55", None, []), machine_from("a100-40gx8", gpus_per_node=8), 8, 1, True)
+    cfg, planned = resolve_config(parse("55", None, []), machine_from("a100-40gx8", gpus_per_node=8), 8, 1, True)
     plan_line = next(l for l in proc.stdout.splitlines() if l.startswith("plan: "))
     assert (f"plan: {planned.system} needs {planned.gpu_total / GIB:.1f} GiB per GPU and "
             f"{planned.host_total / GIB:.1f} GiB of host memory per node") in plan_line, plan_line

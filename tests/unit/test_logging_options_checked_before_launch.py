@@ -3,27 +3,27 @@ launched: a bad value, or W&B asked for where wandb is not installed, is one lin
 
 import pytest
 
-from angelgpt.config import ConfigError, resolve
+from angelgpt.config import ConfigError, parse
 from tests.helpers import check_one_line_error, run_cli
 
 
 @pytest.mark.parametrize("value, expected", [("2,3", [2, 3]), ("[1, 1]", [1, 1]), (" 4 , 9", [4, 9]),
                                              ("null", None)])
 def test_profile_steps_start_end(value, expected):
-    assert resolve("tiny", overrides=[f"logging.profile_steps={value}"]).logging.profile_steps == expected
+    assert parse("tiny", overrides=[f"logging.profile_steps={value}"]).logging.profile_steps == expected
 
 
 @pytest.mark.parametrize("value", ["3,2", "0,2", "2", "a,b", "[1, 2, 3]", "1.5,2", "[true, 2]"])
 def test_profile_steps_need_end_at_or_after_start_at_or_after_one(value):
     with pytest.raises(ConfigError, match="logging.profile_steps"):
-        resolve("tiny", overrides=[f"logging.profile_steps={value}"])
+        parse("tiny", overrides=[f"logging.profile_steps={value}"])
 
 
 def test_wandb_mode_is_one_of_wandbs():
     for mode in ("online", "offline", "disabled", "null"):
-        resolve("tiny", overrides=[f"logging.wandb_mode={mode}"])
+        parse("tiny", overrides=[f"logging.wandb_mode={mode}"])
     with pytest.raises(ConfigError, match="logging.wandb_mode must be 'online', 'offline', 'disabled'"):
-        resolve("tiny", overrides=["logging.wandb_mode=shared"])
+        parse("tiny", overrides=["logging.wandb_mode=shared"])
 
 
 def test_bad_profile_steps_refused_by_the_cli():

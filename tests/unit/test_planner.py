@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from angelgpt.config import resolve
+from angelgpt.config import parse
 from angelgpt.model.flops import flops_per_iteration
 from angelgpt.planner.layout import chunk_numels, rank_params
 from angelgpt.planner import GIB, MACHINES, auto_plan, plan_for
@@ -55,8 +55,8 @@ def test_configurations_that_ran_out_of_memory_are_refused(result):
 
 def test_more_state_on_the_gpu_until_it_is_full():
     """auto takes the largest rate that fits: everything on the GPU for a small model, less for a large one."""
-    small = auto_plan(resolve("h200-16b", overrides=["model.num_layers=6"]), MACHINES["h200"])
-    large = auto_plan(resolve("h200-16b", overrides=["model.num_layers=16"]), MACHINES["h200"])
+    small = auto_plan(parse("h200-16b", overrides=["model.num_layers=6"]), MACHINES["h200"])
+    large = auto_plan(parse("h200-16b", overrides=["model.num_layers=16"]), MACHINES["h200"])
     assert small.rate == 1.0 and small.fits
     assert 0.0 < large.rate < 1.0 and large.fits
     assert large.margin["gpu"] >= 0 and large.margin["host"] >= 0
@@ -69,16 +69,16 @@ def test_accumulating_in_the_store_keeps_weights_resident_unless_they_must_move(
     layers short and 16 fit, weights resident; 55B on 8x A100-40G cannot keep them, so its host-resident
     layers' weights are offloaded."""
     in_store = ["train.global_batch_size=32", "zero_cache.accumulate_in_store=true"]
-    h200 = auto_plan(resolve("h200-16b", overrides=["model.num_layers=19", "optim.accumulate_grads_in_fp32=false",
+    h200 = auto_plan(parse("h200-16b", overrides=["model.num_layers=19", "optim.accumulate_grads_in_fp32=false",
                                                     *in_store]), MACHINES["h200"])
     assert h200.fits and h200.offload_params is False and h200.gpu_bytes["fetched_weights"] == 0
-    assert not auto_plan(resolve("h200-16b", overrides=["model.num_layers=19", *in_store]), MACHINES["h200"]).fits
-    h200 = auto_plan(resolve("h200-16b", overrides=["model.num_layers=16", *in_store]), MACHINES["h200"])
+    assert not auto_plan(parse("h200-16b", overrides=["model.num_layers=19", *in_store]), MACHINES["h200"]).fits
+    h200 = auto_plan(parse("h200-16b", overrides=["model.num_layers=16", *in_store]), MACHINES["h200"])
     assert h200.fits and h200.offload_params is False and h200.gpu_bytes["fetched_weights"] == 0
-    a100 = auto_plan(resolve("55", overrides=["train.micro_batch_size=1", "train.global_batch_size=80",
+    a100 = auto_plan(parse("55", overrides=["train.micro_batch_size=1", "train.global_batch_size=80",
                                               "zero_cache.accumulate_in_store=true"]), MACHINES["a100-40gx8"], 8)
     assert a100.fits and a100.offload_params is True and a100.gpu_bytes["fetched_weights"] > 0
-    one_step = auto_plan(resolve("h200-16b", overrides=["model.num_layers=19"]), MACHINES["h200"])
+    one_step = auto_plan(parse("h200-16b", overrides=["model.num_layers=19"]), MACHINES["h200"])
     assert one_step.offload_params is True  # one micro batch: fetching once per step is cheap
 
 
@@ -118,14 +118,14 @@ def test_device_updates_take_their_share_of_host_chunks_interleaved():
     assert device_updated(groups, numels, tiers, flags, 1.0) == [False, False, True, True, True, False, False]
     half = device_updated(groups, numels, tiers, flags, 0.5)
     assert half == [False, False, True, False, True, False, False]
-    cfg = resolve("h200-16b", overrides=["model.num_layers=19", "optim.optimizer=zero_cache",
+    cfg = parse("h200-16b", overrides=["model.num_layers=19", "optim.optimizer=zero_cache",
                                          "zero_cache.accumulate_in_store=true", "train.micro_batch_size=2",
                                          "train.global_batch_size=32"])
     p = auto_plan(cfg, MACHINES["h200"])
     # 2.55 G params/s on the device path, 3.5 on the CPU beside it (measured: 0.45 beat 0.56 at this size,
     # the device path still the longer of the two)
     assert 0.38 < p.device_update_fraction < 0.45
-    off = auto_plan(resolve("h200-16b", overrides=["model.num_layers=19", "optim.optimizer=zero_cache",
+    off = auto_plan(parse("h200-16b", overrides=["model.num_layers=19", "optim.optimizer=zero_cache",
                                                    "zero_cache.accumulate_in_store=true", "train.micro_batch_size=2",
                                                    "train.global_batch_size=32", "zero_cache.device_update_fraction=0.0"]),
                     MACHINES["h200"])
@@ -137,14 +137,14 @@ def test_auto_accumulation_adds_up_in_the_store_only_where_that_fits_or_is_faste
     each micro batch's gradients added up in the store; 8 layers keep them on the GPU; one micro batch
     per step has nothing to accumulate. (The sums in bf16, as in the runs measured there.)"""
     def chosen(layers, gb):
-        cfg = resolve("h200-16b", overrides=[f"model.num_layers={layers}", "train.micro_batch_size=2",
+        cfg = parse("h200-16b", overrides=[f"model.num_layers={layers}", "train.micro_batch_size=2",
                                              f"train.global_batch_size={gb}", BF16_SUMS])
         assert cfg.zero_cache.accumulate_in_store == "auto"
         return plan_for(cfg, MACHINES["h200"])
 
     big = chosen(19, 32)
     assert big.fits and big.accumulate_in_store is True
-    off = plan_for(resolve("h200-16b", overrides=["model.num_layers=19", "train.micro_batch_size=2",
+    off = plan_for(parse("h200-16b", overrides=["model.num_layers=19", "train.micro_batch_size=2",
                                                   "train.global_batch_size=32", BF16_SUMS,
                                                   "zero_cache.accumulate_in_store=false"]), MACHINES["h200"])
     assert not off.fits
@@ -166,7 +166,7 @@ def test_with_nvme_the_host_fills_before_states_go_to_disk():
     chunk = STATES * 4 * max(n for n, t in zip(numels, tiers) if t == "nvme")
     assert host_limit - need["host"] < chunk, (need, tiers)  # no room left for one more NVMe chunk
     # the same on the 55 shape: 24 layers (19.8B) fit one H200 with its 64 GiB of free disk
-    cfg = resolve("h200-16b", overrides=["model.num_layers=24", "zero_cache.nvme_path=/tmp/angelgpt-nvme",
+    cfg = parse("h200-16b", overrides=["model.num_layers=24", "zero_cache.nvme_path=/tmp/angelgpt-nvme",
                                          "train.global_batch_size=2"])
     p = auto_plan(cfg, MACHINES["h200"], nvme=True)
     assert p.system == "zero_cache" and p.fits and p.nvme_bytes > 0, p
@@ -177,7 +177,7 @@ def test_recompute_auto_keeps_activations_where_they_fit_and_recomputes_where_th
     584.4 (ZeRO-Cache) against 446.1 and 461.8 with it; at 19 layers only full recompute fits (ZeRO-Cache's
     sums in bf16, Megatron's in fp32, as in those runs)."""
     def cfg(layers, optimizer):
-        return resolve("h200-16b", overrides=[f"model.num_layers={layers}", "model.recompute=auto",
+        return parse("h200-16b", overrides=[f"model.num_layers={layers}", "model.recompute=auto",
                                               "train.micro_batch_size=1", "train.global_batch_size=32",
                                               f"optim.optimizer={optimizer}"]
                        + ([BF16_SUMS] if optimizer == "zero_cache" else []))  # Megatron's ran in fp32
@@ -199,7 +199,7 @@ def test_recompute_auto_keeps_the_activations_of_the_last_layers_that_fit():
     inputs stay on the GPU here: activation offload would free room for more kept layers. The sums in
     bf16, as in the runs measured there.)"""
     def cfg(recompute, k=None):
-        return resolve("h200-16b", overrides=["model.num_layers=19", f"model.recompute={recompute}", BF16_SUMS,
+        return parse("h200-16b", overrides=["model.num_layers=19", f"model.recompute={recompute}", BF16_SUMS,
                                               "train.micro_batch_size=2", "train.global_batch_size=32",
                                               "zero_cache.accumulate_in_store=true", "model.activation_offload=none"]
                        + ([f"model.recompute_num_layers={k}"] if k else []))
@@ -224,7 +224,7 @@ def test_recompute_auto_keeps_the_activations_of_the_last_layers_that_fit():
 def test_a_layer_of_the_55_shape_is_three_chunks():
     """Weights packed into chunks of at most 2**28 elements: attention (QKV and projection), FC1, FC2,
     then the biases and norms; the placement can put part of a layer on the device."""
-    cfg = resolve("h200-16b", overrides=["model.num_layers=2"])
+    cfg = parse("h200-16b", overrides=["model.num_layers=2"])
     layer = [n for g, n in chunk_numels(rank_params(cfg), 1, 0) if g == 1]
     assert layer[:3] == [1 << 28] * 3 and len(layer) == 4 and layer[3] < 1 << 20, layer
 
@@ -236,7 +236,7 @@ def test_auto_rate_leaves_the_transfer_streams_their_room_and_takes_the_largest_
     132.5 planned, with no allocator retries); the next placement up does not leave that room."""
     from angelgpt.planner.plan import STREAM_HELD_LAYERS, plan_zero_cache, stream_held_bytes, sub_group_numels
 
-    cfg = resolve("h200-16b", overrides=["model.num_layers=11", "model.recompute=none", "train.micro_batch_size=1",
+    cfg = parse("h200-16b", overrides=["model.num_layers=11", "model.recompute=none", "train.micro_batch_size=1",
                                          "train.global_batch_size=32", "zero_cache.accumulate_in_store=true"])
     hw = MACHINES["h200"]
     room = stream_held_bytes(cfg, 1)
@@ -261,11 +261,11 @@ def test_where_no_rate_fits_the_plan_is_the_closest_and_says_by_how_much():
 
     overrides = ["model.num_layers=20", "train.global_batch_size=32", "zero_cache.accumulate_in_store=true",
                  BF16_SUMS]
-    cfg, hw = resolve("h200-16b", overrides=overrides), MACHINES["h200"]
+    cfg, hw = parse("h200-16b", overrides=overrides), MACHINES["h200"]
     auto = auto_plan(cfg, hw)
     assert not auto.fits and 0 < shortfall(auto) < 8 * GIB, auto.margin
     for offload in ("false", "true"):
-        fixed = resolve("h200-16b", overrides=[*overrides, f"zero_cache.offload_params={offload}"])
+        fixed = parse("h200-16b", overrides=[*overrides, f"zero_cache.offload_params={offload}"])
         plans = [plan_zero_cache(fixed, hw, rate=r / 100) for r in range(101)]
         assert not any(p.fits for p in plans)
         assert shortfall(auto) <= min(shortfall(p) for p in plans)
@@ -286,7 +286,7 @@ def test_a_rank_rehearsed_elsewhere_is_planned_with_the_targets_memory_and_that_
 
     target = machine_from("a100-40gx8", host_mem_gib=1000.0)
     here = MACHINES["h200"]
-    cfg = resolve(size="55")
+    cfg = parse(size="55")
     cfg = replace(cfg, zero_cache=replace(cfg.zero_cache, host_max_gib=125.0))
     cfg, _ = resolve_config(cfg, target, 8, 1, True)
     # the whole update exposed and on the CPU alone, so its time is the host numel over the CPU's rate
@@ -308,7 +308,7 @@ def test_a_pipeline_stage_holds_its_1f1b_micro_batches_in_flight():
     its 4 micro batches' recomputed-layer inputs on the GPU; a step of 2 micro batches holds at most 2."""
     from angelgpt.planner.plan import beside_store_bytes, micro_batches_in_flight, offloaded_activation_bytes
 
-    cfg = resolve(size="55", overrides=["parallel.pipeline_model_parallel_size=4",
+    cfg = parse(size="55", overrides=["parallel.pipeline_model_parallel_size=4",
                                         "zero_cache.prefetch_cache_sub_group_rate=0.1"])
     hw, dp = MACHINES["h200x8"], 1  # TP 2 x PP 4 on 8 GPUs: DP 1, 8 micro batches of 10
     assert cfg.num_microbatches(dp) == 8

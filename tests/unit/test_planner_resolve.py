@@ -8,7 +8,7 @@ from dataclasses import fields, is_dataclass, replace
 
 import pytest
 
-from angelgpt.config import ConfigError, resolve
+from angelgpt.config import ConfigError, parse
 from angelgpt.planner import (GIB, MACHINES, Machine, beside_store_bytes, describe, machine_from, plan_for,
                               read_this_machine, resolve_config, resolved_line)
 from angelgpt.planner.machines import FIGURES, RATES
@@ -84,7 +84,7 @@ def test_reading_a_machine_without_cuda_gives_no_gpu_memory(monkeypatch):
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    zc = resolve("tiny").zero_cache
+    zc = parse("tiny").zero_cache
     m = read_this_machine(replace(zc, host_max_gib=4.0), 2)
     assert m.gpu_mem_gib == 0 and m.gpus_per_node == 2 and m.nvme_gib == 0
     assert m.host_mem_gib == pytest.approx(2 * (4.0 + 1.8))  # per GPU: what the store may take, and the process
@@ -92,7 +92,7 @@ def test_reading_a_machine_without_cuda_gives_no_gpu_memory(monkeypatch):
 
 
 def test_on_cpu_every_auto_becomes_a_value():
-    cfg = resolve("tiny", overrides=["optim.optimizer=zero_cache", "model.recompute=auto",
+    cfg = parse("tiny", overrides=["optim.optimizer=zero_cache", "model.recompute=auto",
                                      "zero_cache.prefetch_cache_sub_group_rate=auto"])
     assert len(_autos(cfg)) >= 7, _autos(cfg)
     out, plan = resolve_config(cfg, describe("no CUDA GPU", 0, 1, 8 * GIB, 0), 1, 1, on_gpu=False)
@@ -115,7 +115,7 @@ def h200_19_layers():
     """19 layers of the 55 shape at global batch 32 on one H200, recompute auto: the planner keeps the
     activations of the last few layers and adds the micro batches up in the store (in bf16, as the runs
     measured there did: in fp32 their sums take 2 more bytes per parameter)."""
-    cfg = resolve("h200-16b", overrides=["model.num_layers=19", "model.recompute=auto", "train.micro_batch_size=2",
+    cfg = parse("h200-16b", overrides=["model.num_layers=19", "model.recompute=auto", "train.micro_batch_size=2",
                                          "optim.accumulate_grads_in_fp32=false",
                                          "train.global_batch_size=32", "zero_cache.prefetch_cache_sub_group_rate=auto",
                                          "zero_cache.cpu_adam=native"])
@@ -142,7 +142,7 @@ def test_on_the_h200_every_auto_becomes_the_plans_choice(h200_19_layers):
 
 
 def test_other_optimizers_get_the_plans_recompute_and_zero_cache_settings_that_are_values():
-    cfg = resolve("h200-16b", overrides=["model.num_layers=7", "model.recompute=auto", "train.micro_batch_size=1",
+    cfg = parse("h200-16b", overrides=["model.num_layers=7", "model.recompute=auto", "train.micro_batch_size=1",
                                          "train.global_batch_size=32", "optim.optimizer=megatron"])
     out, plan = resolve_config(cfg, H200, 1, 1, on_gpu=True)
     assert _autos(out) == [] and plan == plan_for(cfg, H200) and plan.fits
@@ -153,7 +153,7 @@ def test_other_optimizers_get_the_plans_recompute_and_zero_cache_settings_that_a
 
 
 def test_what_is_found_on_the_machine_decides_the_kernel(monkeypatch):
-    cfg = resolve("tiny", overrides=["optim.optimizer=zero_cache"])
+    cfg = parse("tiny", overrides=["optim.optimizer=zero_cache"])
     cpu = describe("no CUDA GPU", 0, 1, 8 * GIB, 0)
     monkeypatch.setenv("CC", "/nonexistent/angelgpt-cc")
     assert resolve_config(cfg, cpu, 1, 1, False)[0].zero_cache.cpu_adam == "torch"
@@ -165,18 +165,18 @@ def test_transformer_impl_auto_is_the_tested_local_spec_even_where_transformer_e
     import types
 
     monkeypatch.setitem(sys.modules, "transformer_engine", types.ModuleType("transformer_engine"))
-    cfg = resolve("tiny")
+    cfg = parse("tiny")
     assert cfg.model.transformer_impl == "auto"
     cpu = describe("no CUDA GPU", 0, 1, 8 * GIB, 0)
     assert resolve_config(cfg, cpu, 1, 1, False)[0].model.transformer_impl == "local"
     assert resolve_config(cfg, H200, 1, 1, True)[0].model.transformer_impl == "local"
-    opted_in = resolve("tiny", overrides=["model.transformer_impl=transformer_engine"])
+    opted_in = parse("tiny", overrides=["model.transformer_impl=transformer_engine"])
     assert resolve_config(opted_in, H200, 1, 1, True)[0].model.transformer_impl == "transformer_engine"
 
 
 def test_a_concrete_device_must_agree_with_where_it_is_resolved_for():
     with pytest.raises(ConfigError, match="train.device is 'cpu'"):
-        resolve_config(resolve("tiny", overrides=["train.device=cpu"]), H200, 1, 1, on_gpu=True)
+        resolve_config(parse("tiny", overrides=["train.device=cpu"]), H200, 1, 1, on_gpu=True)
 
 
 def test_the_planner_imports_without_torch():

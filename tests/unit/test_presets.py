@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from angelgpt.config import preset_names, resolve
+from angelgpt.config import preset_names, parse
 from angelgpt.model.flops import format_params, num_params
 from tests.helpers import ROOT, run_cli
 
@@ -24,7 +24,7 @@ def built_params(cfg, layers):
 
     from angelgpt.model.gpt import build_gpt
 
-    small = resolve(cfg.name, overrides=[f"model.num_layers={layers}"])
+    small = parse(cfg.name, overrides=[f"model.num_layers={layers}"])
     with torch.device("meta"):
         model = build_gpt(small, on_gpu=False, perform_initialization=False)
     assert parallel_state.model_parallel_is_initialized()
@@ -65,16 +65,16 @@ def test_reference_presets_fit_the_reference_node_by_the_planner(name):
 
 @pytest.mark.parametrize("name", ["28", "55", "tiny", "125m", "1.3b", "h200-5b", "h200-16b"])
 def test_params_equal_built_model_extrapolated(name, megatron_single_rank):
-    cfg = resolve(name)
+    cfg = parse(name)
     one, two = built_params(cfg, 1), built_params(cfg, 2)
     per_layer = two - one
     assert num_params(cfg) == one + (cfg.model.num_layers - 1) * per_layer
 
 
 def test_h200_presets_bracket_offload():
-    assert 4.5e9 < num_params(resolve("h200-5b")) < 6e9
-    assert 15e9 < num_params(resolve("h200-16b")) < 17.5e9
-    assert resolve("h200-16b").optim.optimizer == "zero_cache"
+    assert 4.5e9 < num_params(parse("h200-5b")) < 6e9
+    assert 15e9 < num_params(parse("h200-16b")) < 17.5e9
+    assert parse("h200-16b").optim.optimizer == "zero_cache"
 
 
 def test_presets_list_names_every_preset():
@@ -102,7 +102,7 @@ def test_readme_presets_table_matches_the_code():
     for name in preset_names():
         if name == "custom":
             continue
-        cfg, row = resolve(name), rows[name]
+        cfg, row = parse(name), rows[name]
         m = cfg.model
         assert (row["layers"], row["hidden"], row["heads"].split()[0], row["seq"], row["optimizer"]) == \
             (str(m.num_layers), str(m.hidden_size), str(m.num_attention_heads), str(m.seq_length), cfg.optim.optimizer), name

@@ -4,7 +4,7 @@ layout, the planner's per-stage prediction, and its options refused without --re
 import pytest
 
 from angelgpt.cli.rehearse import coordinates, default_ranks, stage_kind
-from angelgpt.config import resolve
+from angelgpt.config import parse
 from angelgpt.planner import MACHINES, plan_for
 from tests.helpers import check_one_line_error, run_cli
 
@@ -26,7 +26,7 @@ def test_coordinates_follow_megatrons_tp_dp_pp_order():
 
 @pytest.mark.parametrize("optimizer", ["zero_cache", "megatron"])
 def test_the_plan_of_a_later_stage_holds_that_stages_parameters(optimizer):
-    cfg = resolve("55", None, ["parallel.pipeline_model_parallel_size=4", f"optim.optimizer={optimizer}",
+    cfg = parse("55", None, ["parallel.pipeline_model_parallel_size=4", f"optim.optimizer={optimizer}",
                                "zero_cache.prefetch_cache_sub_group_rate=0.3", "model.recompute=full",
                                "zero_cache.accumulate_in_store=true", "zero_cache.offload_params=false",
                                "zero_cache.device_update_fraction=0.0", "zero_cache.cpu_adam=native"])

@@ -3,7 +3,7 @@
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from angelgpt.config import resolve
+from angelgpt.config import parse
 from angelgpt.model.norm import SequenceParallelNorm
 from angelgpt.planner.plan import activation_bytes
 from tests.helpers import check_one_line_error, run_cli
@@ -42,7 +42,7 @@ def test_activations_split_over_tp_as_korthikanti_et_al():
     after the logits are gone: at 125M's vocabulary the logits' peak is the larger, so only the kept inputs
     differ)."""
     base = ["parallel.tensor_model_parallel_size=2", "model.recompute=none"]
-    off, on = resolve("125m", overrides=base), resolve("125m", overrides=base + ["parallel.sequence_parallel=true"])
+    off, on = parse("125m", overrides=base), parse("125m", overrides=base + ["parallel.sequence_parallel=true"])
     m = off.model
     sbh = m.seq_length * off.train.micro_batch_size * m.hidden_size
     assert activation_bytes(off, False) - activation_bytes(on, False) == m.num_layers * 10 * sbh // 2

@@ -25,12 +25,12 @@ def accumulate(device, in_store: bool, fp32: bool, micro: int = MICRO, step: boo
     what its accumulation buffers are, its flushed owned gradients, and references of the same micro
     batches: their gradients from a pass without the optimizer summed in fp32 and, in sequence, in bf16,
     and those seen in the optimizer's own backward passes summed in fp32 (a hook before its hooks)."""
-    from angelgpt.config import resolve
+    from angelgpt.config import parse
     from angelgpt.model.gpt import build_gpt
     from angelgpt.planner import MACHINES, resolve_config
     from angelgpt.optimizer.zero_cache import ZeroCacheOptimizer
 
-    cfg = resolve("tiny", overrides=[
+    cfg = parse("tiny", overrides=[
         "optim.optimizer=zero_cache", "train.micro_batch_size=2", f"train.global_batch_size={2 * micro}",
         f"optim.accumulate_grads_in_fp32={str(fp32).lower()}", f"zero_cache.accumulate_in_store={str(in_store).lower()}",
         "zero_cache.prefetch_cache_sub_group_rate=0.5", "zero_cache.offload_params=true",

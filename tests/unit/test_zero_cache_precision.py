@@ -59,13 +59,13 @@ def build(tmp_path, fmt=(), cpu_adam="native", name="a", layout="offloaded", hos
           dtype=torch.bfloat16, seen=None):
     """The tiny model in bf16 (seed 0) and ZeRO-Cache over every tier: a third of the states on the
     device, host chunks half updated by the device, the rest on NVMe (LAYOUTS)."""
-    from angelgpt.config import resolve
+    from angelgpt.config import parse
     from angelgpt.model.gpt import build_gpt
     from angelgpt.optimizer.zero_cache import ZeroCacheOptimizer
     from angelgpt.planner import MACHINES, resolve_config
 
     nvme = tmp_path / f"nvme-{name}"
-    cfg = resolve("tiny", overrides=[
+    cfg = parse("tiny", overrides=[
         "optim.optimizer=zero_cache", "train.micro_batch_size=2", f"train.global_batch_size={2 * MICRO}",
         "zero_cache.prefetch_cache_sub_group_rate=0.3", "zero_cache.offload_params=true",
         "zero_cache.device_update_fraction=0.5", "zero_cache.accumulate_in_store=false", "model.recompute=none",

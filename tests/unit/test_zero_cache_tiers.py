@@ -64,12 +64,12 @@ CONCRETE = ["optim.optimizer=zero_cache", "zero_cache.prefetch_cache_sub_group_r
 def test_an_unresolved_config_is_refused_naming_the_field(field):
     """Every 'auto' must be made concrete (the planner's resolve_config) before the optimizer is built:
     it takes the values as given and asks the planner nothing."""
-    from angelgpt.config import resolve
+    from angelgpt.config import parse
     from angelgpt.optimizer.zero_cache import RESOLVED_FIELDS, ZeroCacheOptimizer, require_resolved
 
     assert field in RESOLVED_FIELDS
-    require_resolved(resolve("tiny", overrides=CONCRETE))  # nothing left to resolve
-    cfg = resolve("tiny", overrides=[*CONCRETE, f"{field}=auto"])
+    require_resolved(parse("tiny", overrides=CONCRETE))  # nothing left to resolve
+    cfg = parse("tiny", overrides=[*CONCRETE, f"{field}=auto"])
     with pytest.raises(ValueError, match=rf"^{field.replace('.', '[.]')} is 'auto': it must be resolved before "
                                          r"building \(resolve_config of angelgpt's planner\)$"):
         ZeroCacheOptimizer(torch.nn.Linear(2, 2), cfg, torch.device("cpu"))
