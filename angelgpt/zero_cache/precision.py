@@ -75,6 +75,16 @@ class StateFormat:
         """The rows' checkpoint names."""
         return ["master_remainder" if self.remainders else "master", "exp_avg", "exp_avg_sq"]
 
+    def describe(self) -> str:
+        master = "bf16 weight + int16 remainder" if self.remainders else "fp32 master"
+        return f"{master}, exp_avg {self.exp_avg}, exp_avg_sq {self.exp_avg_sq} ({self.bytes} bytes an element)"
+
+    def states(self, raw: torch.Tensor, n: int):
+        """A chunk's states in raw bytes: [3, n] fp32 where every row is fp32, else the typed rows."""
+        if self.fp32:
+            return raw.view(torch.float32).view(STATES, n)
+        return self.rows(raw, n)
+
     def rows(self, raw: torch.Tensor, n: int) -> List[torch.Tensor]:
         """Typed views of the three rows of a flat uint8 buffer holding n elements' states (laid out
         4-byte rows first, so each row is aligned to its dtype in a 4-byte aligned buffer)."""
@@ -85,6 +95,14 @@ class StateFormat:
             out[k] = raw[off:off + size].view(self.dtypes[k])
             off += size
         return out
+
+
+def decoded_master(fmt: StateFormat, states, hi: Optional[torch.Tensor]) -> torch.Tensor:
+    """The fp32 masters of a chunk's states (its rows as StateFormat.states gives them; hi: its bf16
+    weights where the master row holds remainders), as a new host tensor."""
+    if not fmt.remainders:
+        return states[0].detach().cpu().clone()
+    return join_master(hi.cpu(), states[0].cpu(), torch.empty(states[0].numel(), dtype=torch.float32))
 
 
 def join_master(hi: torch.Tensor, rem: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -128,4 +146,5 @@ def encode(fmt: StateFormat, work: torch.Tensor, rows: List[torch.Tensor], hi: O
         rows[2][a:b].copy_(work[2, a:b])
 
 
-__all__ = ["DTYPES", "MOMENT_BYTES", "StateFormat", "decode", "encode", "join_master", "split_master"]
+__all__ = ["DTYPES", "MOMENT_BYTES", "StateFormat", "decode", "decoded_master", "encode", "join_master",
+           "split_master"]

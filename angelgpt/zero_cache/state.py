@@ -46,7 +46,7 @@ class CheckpointState:
         if c.tier != "nvme":
             return c.states
         raw = torch.from_file(str(c.file), shared=writable, size=self.format.bytes * c.numel, dtype=torch.uint8)
-        return self.store.rows(raw, c.numel)
+        return self.format.states(raw, c.numel)
 
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False,
                            metadata: Optional[dict] = None):

@@ -36,37 +36,12 @@ from angelgpt.zero_cache.placement import (ACCUMULATION_SLOTS, CODEC_SLICE, GPU_
                                            device_update_elements, largest_off_device_group,
                                            own_weight_buffers, partition, place,
                                            prefetch_depth, training_reserve)
-from angelgpt.zero_cache.precision import StateFormat, join_master
+from angelgpt.zero_cache.precision import StateFormat
 from angelgpt.zero_cache.tiers import (GIB, DeviceTier, HostTier, NVMeTier, available_bytes, check_capacity,
-                                       check_memlock, device_memory)
+                                       check_memlock, device_memory, refuse_together)
 
 log = get_logger(__name__)
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-
-
-def refuse_together(check, alone: bool = False) -> None:
-    """Runs a rank's refusal check on every rank: when any refuses, all raise the first refusing rank's
-    message (prefixed with its rank), so rank 0 reports it and no rank waits in a collective for one
-    that left. Placements differ per rank (an uneven DP partition), so one rank alone may not fit.
-    `alone` (a rehearsal plays one rank alone): the check raises as it is (a CapacityError keeps what ran
-    short)."""
-    if alone:
-        check()
-        return
-    try:
-        check()
-        problem = None
-    except ConfigError as exc:
-        problem = str(exc)
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        if problem:
-            raise ConfigError(problem)
-        return
-    problems = [None] * dist.get_world_size()
-    dist.all_gather_object(problems, problem)
-    for rank, text in enumerate(problems):
-        if text:
-            raise ConfigError(text if rank == 0 else f"rank {rank}: {text}")
 
 
 def sub_group_index(name: str, num_layers: int) -> int:
@@ -336,22 +311,9 @@ class Store:
             NVMeTier.write(c.file, staging)
         else:
             c.raw = self.tiers[c.tier].allocate(fmt.bytes * c.numel, torch.uint8, pinned=c.device_update)
-            c.states = self.rows(c.raw, c.numel)
+            c.states = fmt.states(c.raw, c.numel)
             if not fmt.remainders:
                 c.states[0].copy_(c.grad)
-
-    def rows(self, raw: torch.Tensor, n: int):
-        """A chunk's states in raw bytes: [3, n] fp32 where the format is all fp32, else its typed rows."""
-        if self.format.fp32:
-            return raw.view(torch.float32).view(STATES, n)
-        return self.format.rows(raw, n)
-
-    def master(self, c: Chunk, states=None) -> torch.Tensor:
-        """The chunk's fp32 master weights (decoded where kept as remainders), on the host."""
-        states = c.states if states is None else states
-        if not self.format.remainders:
-            return states[0].detach().cpu().clone()
-        return join_master(c.hi.cpu(), states[0].cpu(), torch.empty(c.numel, dtype=torch.float32))
 
     def _allocate_shared(self) -> None:
         """One device buffer for what never runs at once: the accumulation slots that host chunks'
@@ -404,12 +366,7 @@ class Store:
                 f"owned parameters' states on device {owned['device']:,}, host {owned['host']:,}, nvme "
                 f"{owned['nvme']:,}; host states updated on the device {on_device:,} "
                 f"(device_update_fraction {self.device_update_fraction:.2f}); CPU AdamW "
-                f"{'native' if self.cpu_adam else 'torch'}; states {self._format_line()}")
-
-    def _format_line(self) -> str:
-        f = self.format
-        master = "bf16 weight + int16 remainder" if f.remainders else "fp32 master"
-        return f"{master}, exp_avg {f.exp_avg}, exp_avg_sq {f.exp_avg_sq} ({f.bytes} bytes an element)"
+                f"{'native' if self.cpu_adam else 'torch'}; states {self.format.describe()}")
 
     def allocated_bytes(self) -> Dict[str, int]:
         """Bytes each tier actually holds (chunk states, owned gradients, scratch and staging)."""

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from angelgpt.config import ConfigError
 
@@ -249,3 +250,28 @@ def available_bytes(device: torch.device, host_max_gib: Optional[float], nvme_pa
         dev = mem_available_bytes() // 2
         host = host_bytes(host_max_gib) if host_max_gib is not None else dev
     return {"device": dev, "host": host, "nvme": nvme_bytes(nvme_path, nvme_max_gib)}
+
+
+def refuse_together(check, alone: bool = False) -> None:
+    """Runs a rank's refusal check on every rank: when any refuses, all raise the first refusing rank's
+    message (prefixed with its rank), so rank 0 reports it and no rank waits in a collective for one
+    that left. Placements differ per rank (an uneven DP partition), so one rank alone may not fit.
+    `alone` (a rehearsal plays one rank alone): the check raises as it is (a CapacityError keeps what ran
+    short)."""
+    if alone:
+        check()
+        return
+    try:
+        check()
+        problem = None
+    except ConfigError as exc:
+        problem = str(exc)
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        if problem:
+            raise ConfigError(problem)
+        return
+    problems = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, problem)
+    for rank, text in enumerate(problems):
+        if text:
+            raise ConfigError(text if rank == 0 else f"rank {rank}: {text}")

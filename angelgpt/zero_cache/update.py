@@ -159,7 +159,7 @@ class Update:
                 c.grad_ready.synchronize()
             t0 = time.perf_counter()
             raw = self._nvme_states(c) if c.tier == "nvme" else None
-            states = self.store.rows(raw, c.numel) if raw is not None else c.states
+            states = self.format.states(raw, c.numel) if raw is not None else c.states
             c.step += 1
             if c.hi is not None:
                 events += self._update_remainders(c, states, hyper, coef, after_backward)

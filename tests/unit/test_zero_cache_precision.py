@@ -99,13 +99,15 @@ def train_step(cfg, model, opt, seed: int) -> float:
 
 def states(model, opt) -> dict:
     """name -> (fp32 master, exp_avg as kept, exp_avg_sq as kept, bf16 weight), NVMe chunks read back."""
+    from angelgpt.zero_cache.precision import decoded_master
+
     store = opt.store
     names = {id(p): n for n, p in model.named_parameters()}
     out = {}
     with opt.materialized():  # (over DP it fetches every offloaded layer: once, on every rank)
         for c in store.chunks:
             rows = opt.checkpoint._chunk_states(c)
-            master = store.master(c, rows)
+            master = decoded_master(store.format, rows, c.hi)
             for (p, off, shape) in zip(c.params, c.offsets, c.shapes):
                 n = shape.numel()
                 out[names[id(p)]] = (master[off:off + n].clone(), rows[1][off:off + n].clone(),

@@ -1,0 +1,42 @@
+"""The shape angelgpt/ keeps: its modules import one another one way (no circle, counting imports inside
+functions), none is over 400 lines but the config schema, and no rehearsal mode is read from a module
+global outside the rehearsal module."""
+
+from tests.helpers import ROOT
+from tests.unit.test_bench_package import circle, imports
+
+PACKAGE = ROOT / "angelgpt"
+
+
+def modules() -> dict:
+    """module name -> file, for every module of angelgpt/ (a package by its __init__)."""
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def test_angelgpt_imports_one_way():
+    mods = modules()
+    graph = {}
+    for name, path in mods.items():
+        targets = set()
+        for imp in imports(path):  # `from a.b import c` names module a.b.c when there is one, else a.b
+            while imp and imp not in mods:
+                imp = imp.rpartition(".")[0]
+            if imp and imp != name and not name.startswith(imp + "."):  # a package's own __init__ is not a circle
+                targets.add(imp)
+        graph[name] = sorted(targets)
+    assert circle(graph) is None, circle(graph)
+
+
+def test_no_module_is_over_400_lines_but_the_schema():
+    long = {str(p.relative_to(ROOT)): n for p in PACKAGE.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 400}
+    assert long.keys() <= {"angelgpt/config/schema.py"}, long
+
+
+def test_no_rehearsal_global_outside_the_rehearsal_module():
+    users = [str(p.relative_to(ROOT)) for p in PACKAGE.rglob("*.py") if "_REHEARSAL" in p.read_text()]
+    assert users == [], users
