@@ -30,11 +30,11 @@ rm -rf "${SAVE_DIR:?}"/*
 if [ -z "${LAYERS:-}" ]; then
   LAYERS=$(python3 - "$SAVE_DIR" "$SIZE" "${MAX_LAYERS:-2}" <<'EOF'
 import shutil, sys
-from angelgpt.config import resolve
+from angelgpt.config import parse
 from angelgpt.model.flops import num_params
 room = 0.8 * shutil.disk_usage(sys.argv[1]).free - 2 * 2**30
 fits = [L for L in range(1, int(sys.argv[3]) + 1)
-        if 14 * num_params(resolve(sys.argv[2], overrides=[f"model.num_layers={L}"])) <= room]
+        if 14 * num_params(parse(sys.argv[2], overrides=[f"model.num_layers={L}"])) <= room]
 print(fits[-1] if fits else 0)
 EOF
 )

@@ -4,7 +4,9 @@
 # file each under OUT, benchmarks.numerics), and the curves side by side (OUT/numerics.svg).
 #   bash scripts/numerics_runs.sh OUT [ITERS] [FORMAT...]     FORMAT: fp32 bf16-moments remainders-bf16-moments
 # Installs any wheels found in .whl/ (scripts/device_wheels.sh). NUMERICS_DATA: where the prepared corpus is
-# (or goes; default /tmp/numerics-data).
+# (or goes; default /tmp/numerics-data, lost with the machine: prepare it where it is cheaper, as
+# `python -m benchmarks.numerics prepare --out .numerics-data`, and carry it). A 10-minute call may hold
+# one or two formats at 2000 iterations: name them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: numerics_runs.sh OUT [ITERS] [FORMAT...]}
@@ -15,6 +17,7 @@ formats=("${@:-fp32 bf16-moments remainders-bf16-moments}")
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export ANGELGPT_BENCH_CALL=${ANGELGPT_BENCH_CALL:-numerics-$(date -u +%Y%m%dT%H%M%SZ)-$$}
 data=${NUMERICS_DATA:-/tmp/numerics-data}
+written=()
 [ -f "$data/manifest.json" ] || python3 -m benchmarks.numerics prepare --out "$data"
 for f in ${formats[*]}; do
   case $f in
@@ -23,6 +26,11 @@ for f in ${formats[*]}; do
     remainders-bf16-moments) extra=(optim.store_param_remainders=true optim.exp_avg_dtype=bf16 optim.exp_avg_sq_dtype=bf16) ;;
     *) echo "numerics_runs.sh: unknown format $f" >&2; exit 2 ;;
   esac
-  python3 -m benchmarks.numerics run --name "numerics-$f" --data "$data" --iters "$iters" --out "$out" -- "${extra[@]}" || true
+  # its line starts with the result file it wrote (a run again of a format: NAME-runN.json)
+  line=$(python3 -m benchmarks.numerics run --name "numerics-$f" --data "$data" --iters "$iters" --out "$out" \
+         -- "${extra[@]}" | tail -1) || true
+  echo "$line"
+  [ -f "${line%%: *}" ] && written+=("${line%%: *}")
 done
-python3 -m benchmarks.numerics plot "$out"/numerics-*.json --out "$out/numerics.svg"
+# this call's runs in the order given: the first (fp32 by default) is what the others are compared with
+[ ${#written[@]} -gt 0 ] && python3 -m benchmarks.numerics plot "${written[@]}" --out "$out/numerics.svg"

@@ -1,4 +1,4 @@
-"""Configuration: dataclass sections, presets, and the resolver (overrides > YAML > preset > defaults)."""
+"""Configuration: dataclass sections, presets, and their parsing (overrides > YAML > preset > defaults)."""
 
 from angelgpt.config.loader import PRESET_DIR, from_argv, preset_names, parse, to_dict
 from angelgpt.config.schema import Config, ConfigError

@@ -7,7 +7,7 @@ micro batch. Resuming from ``consumed_samples`` therefore replays the exact same
 
 from __future__ import annotations
 
-from typing import Dict, Iterator, List
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -24,9 +24,13 @@ def _ensure_helpers() -> None:
         compile_helpers()
 
 
-def split_documents(split: str, documents: int) -> List[int]:
-    """Documents each of the train, validation and test splits takes of a dataset of `documents`: Megatron's
-    split matrix, each bound rounded to a document as its dataset builder does."""
+SPLITS = ("training", "validation", "test")
+
+
+def split_sequences(split: str, sequences: int) -> List[Optional[int]]:
+    """Sequences each of the train, validation and test splits takes of a dataset of `sequences` (one a
+    document for `data prepare`'s): Megatron's split matrix, each bound rounded as its dataset builder
+    rounds it; None for a split of share 0 (Megatron builds none)."""
     import warnings
 
     with warnings.catch_warnings():
@@ -35,16 +39,14 @@ def split_documents(split: str, documents: int) -> List[int]:
             convert_split_vector_to_split_matrix, parse_and_normalize_split)
 
     matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
-    return [0 if bounds is None else int(round(bounds[1] * documents)) - int(round(bounds[0] * documents))
+    return [None if bounds is None else int(round(bounds[1] * sequences)) - int(round(bounds[0] * sequences))
             for bounds in matrix]
 
 
-def check_splits(cfg: Config, validating: bool) -> None:
-    """Refuses (one line) a data.split that leaves the training split, or the validation split when
-    evaluations are asked for, without a document of some dataset: Megatron would look for samples
-    in it forever."""
+def empty_splits(cfg: Config) -> List[Tuple[str, int, List[Optional[int]]]]:
+    """Per dataset of data.paths (none for mock data): its prefix, its sequences and what each split takes."""
     if cfg.data.is_mock:
-        return
+        return []
     import warnings
 
     with warnings.catch_warnings():  # megatron.core's import warns of what is not installed: not the user's problem
@@ -52,14 +54,24 @@ def check_splits(cfg: Config, validating: bool) -> None:
         from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     items = [cfg.data.paths] if isinstance(cfg.data.paths, str) else list(cfg.data.paths)
+    out = []
     for prefix in (items[1::2] if len(items) > 1 else items):
-        documents = len(IndexedDataset(str(prefix)).document_indices) - 1
-        counts = split_documents(cfg.data.split, documents)
-        for name, n, needed in (("training", counts[0], True), ("validation", counts[1], validating)):
-            if needed and n == 0:
-                raise ConfigError(f"data.split {cfg.data.split} gives the {name} split none of the {documents} "
-                                  f"documents of {prefix}; give it a larger share, or more documents"
-                                  + ("" if name == "training" else ", or leave train.eval_interval unset"))
+        sequences = len(IndexedDataset(str(prefix)).sequence_lengths)
+        out.append((str(prefix), sequences, split_sequences(cfg.data.split, sequences)))
+    return out
+
+
+def check_splits(cfg: Config, validating: bool) -> None:
+    """Refuses (one line) a data.split that gives the training split, or the validation split when
+    evaluations are asked for, no sequence of some dataset. (Megatron's builder would look for samples
+    in an empty split forever; the splits nothing is asked of are left out when they are empty:
+    build_datasets.)"""
+    for prefix, sequences, counts in empty_splits(cfg):
+        for k in (0, 1) if validating else (0,):
+            if not counts[k]:
+                raise ConfigError(f"data.split {cfg.data.split} gives the {SPLITS[k]} split none of the {sequences} "
+                                  f"sequences of {prefix}; give it a larger share, or more documents"
+                                  + ("" if k == 0 else ", or leave train.eval_interval unset"))
 
 
 def build_datasets(cfg: Config, tokenizer, train_samples: int, valid_samples: int):
@@ -86,6 +98,12 @@ def build_datasets(cfg: Config, tokenizer, train_samples: int, valid_samples: in
         eod_mask_loss=False,
         create_attention_mask=False,
     )
+    # a split nothing is asked of that holds no sequence of some dataset (the test split, the validation
+    # split without evaluations: small corpora) is not built; Megatron would look for its samples forever
+    for prefix, sequences, counts in empty_splits(cfg):
+        for k in (1, 2) if not valid_samples else (2,):
+            if counts[k] == 0:
+                ds_config.split_matrix[k] = None
     cls = MockGPTDataset if cfg.data.is_mock else GPTDataset
     train, valid, _ = BlendedMegatronDatasetBuilder(
         cls, [train_samples, valid_samples, 0], lambda: True, ds_config

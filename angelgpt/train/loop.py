@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import time
 from functools import partial
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 import torch.distributed as dist
@@ -156,9 +156,9 @@ def _host_staged(forward_backward, model):
 
 class Trainer:
     def __init__(self, cfg: Config, model, optimizer: Optimizer, scheduler, train_ds, valid_ds, on_gpu: bool,
-                 rehearsal: bool = False, control: Optional[RunControl] = None):
+                 control: RunControl, rehearsal: bool = False):
         self.cfg = cfg
-        self.control = control or RunControl()  # (without handlers: a test's trainer stops when told to)
+        self.control = control
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler

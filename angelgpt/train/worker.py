@@ -149,8 +149,8 @@ def make_trainer(cfg, rehearse=None, shared=None, resolved: bool = False, machin
     gb = cfg.train.global_batch_size
     valid_samples = cfg.train.eval_iters * gb if cfg.train.eval_interval else 0
     train_ds, valid_ds = build_datasets(cfg, tokenizer, cfg.train.train_iters * gb, valid_samples)
-    trainer = Trainer(cfg, model, optimizer, scheduler, train_ds, valid_ds, on_gpu, rehearsal=rehearse is not None,
-                      control=control)
+    trainer = Trainer(cfg, model, optimizer, scheduler, train_ds, valid_ds, on_gpu, control,
+                      rehearsal=rehearse is not None)
     trainer.maybe_resume()
     log.info(f"training from iteration {trainer.iteration} to {cfg.train.train_iters} "
              f"(DP={parallel_state.get_data_parallel_world_size()}, "

@@ -129,19 +129,20 @@ def test_a_vocabulary_smaller_than_the_tokenizers_is_refused_before_launch(token
 
 
 def test_a_split_that_leaves_the_validation_split_no_document_is_refused_before_launch(tokenizer, corpus, tmp_path):
-    """Three documents and data.split 949,50,1 leave validation no document (Megatron's builder would
-    look for its samples forever): refused by the launcher in one line, before any worker starts; with
-    evaluations off (no train.eval_interval) the same data passes the check."""
-    from angelgpt.data.dataset import split_documents
+    """Three documents and data.split 949,50,1 leave validation and test no sequence (Megatron's builder
+    would look for their samples forever): with evaluations asked for, refused by the launcher in one
+    line before any worker starts; without, the empty splits are left out and training runs."""
+    from angelgpt.data.dataset import split_sequences
     from angelgpt.data.prepare import prepare
-    from tests.helpers import run_cli_in_process
+    from tests.helpers import run_cli_in_process, train_tiny
 
     three = tmp_path / "three.txt"
     three.write_text("\n\n".join(documents(corpus)[:3]) + "\n")
     data = prepare(str(three), str(tokenizer), str(tmp_path / "three"), append_eod=True, progress=False)
-    assert split_documents("949,50,1", 3) == [3, 0, 0] and split_documents("949,50,1", 3000) == [2847, 150, 3]
-    args = ["train", "--size", "tiny", "--device", "cpu", "--dry-run", f"data.paths={data.prefix}",
-            f"data.tokenizer={tokenizer}", "model.vocab_size=1024"]
-    proc = run_cli_in_process(*args, "train.eval_interval=5")
-    check_one_line_error(proc, "data.split 949,50,1 gives the validation split none of the 3 documents")
-    assert run_cli_in_process(*args).returncode == 0
+    assert split_sequences("949,50,1", 3) == [3, 0, 0] and split_sequences("949,50,1", 3000) == [2847, 150, 3]
+    assert split_sequences("90,10,0", 400) == [360, 40, None]
+    args = [f"data.paths={data.prefix}", f"data.tokenizer={tokenizer}", "model.vocab_size=1024"]
+    proc = run_cli_in_process("train", "--size", "tiny", "--device", "cpu", "--dry-run", *args, "train.eval_interval=5")
+    check_one_line_error(proc, "data.split 949,50,1 gives the validation split none of the 3 sequences")
+    metrics = train_tiny(tmp_path, "small", *args, "train.train_iters=2", "model.seq_length=64")
+    assert [r["iteration"] for r in metrics] == [1, 2]
