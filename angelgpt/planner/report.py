@@ -6,8 +6,10 @@ from dataclasses import asdict
 from typing import Dict
 
 from angelgpt.planner.machines import GIB, Machine
-from angelgpt.planner.memory import activation_bytes
+from angelgpt.planner.calibration import MODEL_BYTES
+from angelgpt.planner.memory import activation_bytes, grad_bytes
 from angelgpt.planner.systemplan import SystemPlan
+from angelgpt.planner.zero_cache import states_per_element
 
 
 def _gib(b: float) -> str:
@@ -20,6 +22,18 @@ def to_json(cfg, hw: Machine, gpus_per_node: int, nodes: int, plans: Dict[str, S
                                   "with_recompute_offloaded": activation_bytes(cfg, True, True),
                                   "without_recompute": activation_bytes(cfg, False)},
             "plans": {k: p.to_dict() for k, p in plans.items()}}
+
+
+def bytes_per_parameter(cfg, world: int) -> str:
+    """ZeRO-Cache's model states a parameter: the weight, the states as the config keeps them
+    (optim.store_param_remainders, exp_avg_dtype, exp_avg_sq_dtype) and the gradient."""
+    remainders, states = states_per_element(cfg)
+    dp = max(1, world // cfg.model_parallel_size)
+    grad = grad_bytes(cfg, dp)
+    o = cfg.optim
+    master = "master as an int16 remainder beside the weight" if remainders else "fp32 master"
+    return (f"model states: {MODEL_BYTES + states + grad} bytes a parameter ({MODEL_BYTES} weight + {states} states "
+            f"[{master}, exp_avg {o.exp_avg_dtype}, exp_avg_sq {o.exp_avg_sq_dtype}] + {grad} gradient)")
 
 
 def render(cfg, hw: Machine, gpus_per_node: int, nodes: int, plans: Dict[str, SystemPlan], params: int) -> str:
@@ -48,6 +62,8 @@ def render(cfg, hw: Machine, gpus_per_node: int, nodes: int, plans: Dict[str, Sy
         if short and name == "zero_cache" and cfg.zero_cache.prefetch_cache_sub_group_rate == "auto":
             short.append("no rate fits; the closest shown")
         lines += ["", f"== {title}: {verdict}" + (f" (short of {', '.join(short)})" if short else "")]
+        if name == "zero_cache":
+            lines.append("  " + bytes_per_parameter(cfg, gpus_per_node * nodes))
         lines.append("  GPU per rank:")
         lines += [f"    {k:<24}{_gib(v)}" for k, v in p.gpu_bytes.items() if v]
         lines.append(f"    {'total':<24}{_gib(p.gpu_total)}   margin {p.margin['gpu'] / GIB:+.2f} GiB")

@@ -247,3 +247,16 @@ def test_the_readmes_bytes_per_parameter_are_the_placements():
     for choice, moments, states, fp32_sums, bf16_sums in rows:
         assert int(states) == state_bytes(choice != "default", moments, moments)
         assert (int(fp32_sums), int(bf16_sums)) == (2 + int(states) + 4, 2 + int(states) + 2)
+
+
+def test_plan_says_the_bytes_a_parameter_costs():
+    """`angelgpt plan` prints ZeRO-Cache's model states a parameter for the formats chosen: 18 by default
+    with fp32 sums, 16 with remainders, 12 with bf16 moments too, 10 with bf16 sums as well."""
+    from angelgpt.config import parse
+    from angelgpt.planner.report import bytes_per_parameter
+
+    base = ["optim.optimizer=zero_cache", "train.micro_batch_size=2", "train.global_batch_size=32"]
+    for extra, total in (([], 18), (FORMATS["remainders"], 16), (FORMATS["both"], 12),
+                         ([*FORMATS["both"], "optim.accumulate_grads_in_fp32=false"], 10)):
+        line = bytes_per_parameter(parse("h200-16b", overrides=[*base, *extra]), world=1)
+        assert line.startswith(f"model states: {total} bytes a parameter"), line
