@@ -8,7 +8,6 @@ fake process group) and several ranks sharing one GPU for tests (`shared_device.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Optional
 

@@ -31,7 +31,8 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTenso
 from angelgpt import parallel
 from angelgpt.config import ConfigError
 from angelgpt.parallel.log import get_logger
-from angelgpt.train.checkpoint_writer import GIB, PlanningStrategy, host_memory_available
+from angelgpt.system import GIB
+from angelgpt.train.checkpoint_writer import PlanningStrategy, host_memory_available
 
 log = get_logger(__name__)
 

@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.utils import _DistWrapper, _get_failure_dict, _wrap_exception
 
-from angelgpt.system import GIB, mem_available_bytes
+from angelgpt.system import mem_available_bytes
 
 
 class _CRCStream:
