@@ -39,6 +39,10 @@ MODEL = ["model.vocab_size=32000", "model.seq_length=1024", "train.micro_batch_s
 EVAL_INTERVAL, EVAL_ITERS = 100, 20
 
 
+class BadInput(Exception):
+    """Bad input: said in one line, exit 2."""
+
+
 def corpus_files(stdlib: Path) -> List[Path]:
     """The standard library's Python source files, in a fixed order (installed packages left out)."""
     return sorted(p for p in stdlib.rglob("*.py") if "site-packages" not in p.parts and "dist-packages" not in p.parts)
@@ -47,10 +51,10 @@ def corpus_files(stdlib: Path) -> List[Path]:
 def prepare(out: Path, stdlib: Path, vocab: int = VOCAB) -> dict:
     """out/corpus.jsonl (a document per file), out/tokenizer, out/data/stdlib_text_document.{bin,idx},
     out/manifest.json; returns the manifest."""
-    out.mkdir(parents=True, exist_ok=True)
     files = corpus_files(stdlib)
     if not files:
-        raise SystemExit(f"no Python source under {stdlib}")
+        raise BadInput(f"--stdlib {stdlib}: no Python source there")
+    out.mkdir(parents=True, exist_ok=True)
     digest, nbytes = hashlib.sha256(), 0
     corpus = out / "corpus.jsonl"
     with open(corpus, "w") as fh:
@@ -76,6 +80,9 @@ def run(name: str, data: Path, iters: int, size: str, device: str, overrides: Li
     """Trains the model on the prepared corpus and writes the result file; returns its path."""
     from benchmarks.train import given_config
 
+    if not (data / "manifest.json").is_file():
+        raise BadInput(f"--data {data}: no manifest.json (make it with `python -m benchmarks.numerics prepare --out "
+                       f"{data}`)")
     manifest = json.loads((data / "manifest.json").read_text())
     with tempfile.TemporaryDirectory() as tmp:
         metrics = Path(tmp) / "metrics.jsonl"
@@ -160,6 +167,14 @@ def main(argv=None) -> int:
     q.add_argument("files", nargs="+", type=Path)
     q.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
+    try:
+        return _main(args)
+    except BadInput as exc:
+        print(f"numerics: {exc}", file=sys.stderr)
+        return 2
+
+
+def _main(args) -> int:
     if args.cmd == "prepare":
         print(json.dumps(prepare(args.out, args.stdlib, args.vocab_size)))
     elif args.cmd == "run":
@@ -169,6 +184,9 @@ def main(argv=None) -> int:
         print(f"{path}: " + compare([result])[0])
         return 0 if result["returncode"] == 0 else 1
     else:
+        missing = [str(f) for f in args.files if not f.is_file()]
+        if missing:
+            raise BadInput(f"no result file {missing[0]}")
         results = [json.loads(f.read_text()) for f in args.files]
         args.out.write_text(svg({r["name"]: r["val_loss"] for r in results}, "validation loss, same seed and batches"))
         print("\n".join(compare(results)))

@@ -1,6 +1,6 @@
 """benchmarks.numerics: the corpus it takes from a standard library, its comparison lines and its plot."""
 
-from benchmarks.numerics import compare, corpus_files, svg
+from benchmarks.numerics import compare, corpus_files, main, svg
 
 
 def test_the_corpus_is_the_standard_librarys_source_without_installed_packages(tmp_path):
@@ -19,3 +19,14 @@ def test_runs_are_compared_with_the_first_and_drawn_one_line_each():
                              "broken: no validation loss (exit 1)"]
     drawing = svg({r["name"]: r["val_loss"] for r in runs}, "t")
     assert drawing.startswith("<svg") and drawing.count("<polyline") == 3 and ">bf16<" in drawing
+
+
+def test_bad_input_is_one_line_and_exit_2_with_nothing_written(tmp_path, capsys):
+    for args, needle in ((["prepare", "--out", str(tmp_path / "p"), "--stdlib", str(tmp_path / "none")], "no Python source"),
+                         (["run", "--name", "x", "--data", str(tmp_path / "none"), "--out", str(tmp_path / "r")],
+                          "no manifest.json"),
+                         (["plot", str(tmp_path / "none.json"), "--out", str(tmp_path / "x.svg")], "no result file")):
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and needle in err, err
+    assert list(tmp_path.iterdir()) == []
