@@ -43,7 +43,7 @@ def split_sequences(split: str, sequences: int) -> List[Optional[int]]:
             for bounds in matrix]
 
 
-def empty_splits(cfg: Config) -> List[Tuple[str, int, List[Optional[int]]]]:
+def split_sizes(cfg: Config) -> List[Tuple[str, int, List[Optional[int]]]]:
     """Per dataset of data.paths (none for mock data): its prefix, its sequences and what each split takes."""
     if cfg.data.is_mock:
         return []
@@ -61,12 +61,12 @@ def empty_splits(cfg: Config) -> List[Tuple[str, int, List[Optional[int]]]]:
     return out
 
 
-def check_splits(cfg: Config, validating: bool) -> None:
+def check_splits(cfg: Config, validating: bool, sizes=None) -> None:
     """Refuses (one line) a data.split that gives the training split, or the validation split when
     evaluations are asked for, no sequence of some dataset. (Megatron's builder would look for samples
     in an empty split forever; the splits nothing is asked of are left out when they are empty:
-    build_datasets.)"""
-    for prefix, sequences, counts in empty_splits(cfg):
+    build_datasets.) `sizes`: split_sizes(cfg), where the caller has it."""
+    for prefix, sequences, counts in split_sizes(cfg) if sizes is None else sizes:
         for k in (0, 1) if validating else (0,):
             if not counts[k]:
                 raise ConfigError(f"data.split {cfg.data.split} gives the {SPLITS[k]} split none of the {sequences} "
@@ -83,7 +83,8 @@ def build_datasets(cfg: Config, tokenizer, train_samples: int, valid_samples: in
     from megatron.core.datasets.utils import get_blend_from_list
 
     cfg.data.check_files()
-    check_splits(cfg, valid_samples > 0)
+    sizes = split_sizes(cfg)
+    check_splits(cfg, valid_samples > 0, sizes)
     paths = cfg.data.paths
     blend = None if cfg.data.is_mock else get_blend_from_list([str(x) for x in ([paths] if isinstance(paths, str) else paths)])
     ds_config = GPTDatasetConfig(
@@ -100,7 +101,7 @@ def build_datasets(cfg: Config, tokenizer, train_samples: int, valid_samples: in
     )
     # a split nothing is asked of that holds no sequence of some dataset (the test split, the validation
     # split without evaluations: small corpora) is not built; Megatron would look for its samples forever
-    for prefix, sequences, counts in empty_splits(cfg):
+    for prefix, sequences, counts in sizes:
         for k in (1, 2) if not valid_samples else (2,):
             if counts[k] == 0:
                 ds_config.split_matrix[k] = None

@@ -307,7 +307,7 @@ class Store:
             c.file = self.nvme.create(c.key, fmt.bytes * c.numel)
             staging = self.nvme.staging(0, fmt.bytes * c.numel).zero_()
             if not fmt.remainders:
-                fmt.rows(staging, c.numel)[0].copy_(c.grad)
+                fmt.states(staging, c.numel)[0].copy_(c.grad)
             NVMeTier.write(c.file, staging)
         else:
             c.raw = self.tiers[c.tier].allocate(fmt.bytes * c.numel, torch.uint8, pinned=c.device_update)

@@ -106,16 +106,23 @@ class Update:
         gradient), clipping riding in the kernel (grad_scale divides the gradient), so it costs no extra
         pass over memory; states not all fp32 are decoded into fp32 rows (store.work) a part at a time
         and encoded back."""
+        if self.format.fp32:
+            return self._fp32_adamw(c, states, grad, hyper, coef)
         if self.cpu_adam is not None and not grad.is_cuda:
             return self._native_adamw(c, states, grad, hyper, coef, hi=hi)
-        if self.format.fp32:
-            return self._fused_adamw(c, states, grad, hyper, coef)
         work = self.work["device" if grad.device.type == self.device.type and c.tier == "device" else "host"]
         for a, b in slices(grad.numel(), min(CODEC_SLICE, work.shape[1])):
             rows, w, part = [r[a:b] for r in states], work[:, :b - a], None if hi is None else hi[a:b]
             decode(self.format, rows, part, w)
             self._fused_adamw(c, w, grad[a:b], hyper, coef)
             encode(self.format, w, rows, part)
+
+    def _fp32_adamw(self, c: Chunk, states, grad: torch.Tensor, hyper, coef: float) -> None:
+        """AdamW of fp32 rows: the one-pass kernel on the CPU where it was built (every CPU update uses it:
+        placements agree), else torch's fused AdamW."""
+        if self.cpu_adam is not None and not grad.is_cuda:
+            return self._native_adamw(c, states, grad, hyper, coef)
+        return self._fused_adamw(c, states, grad, hyper, coef)
 
     def _fused_adamw(self, c: Chunk, states, grad: torch.Tensor, hyper, coef: float) -> None:
         """torch's fused AdamW of fp32 rows (master, exp_avg, exp_avg_sq) from an fp32 gradient."""
@@ -163,25 +170,34 @@ class Update:
             c.step += 1
             if c.hi is not None:
                 events += self._update_remainders(c, states, hyper, coef, after_backward)
-            for lo, hi in slices(c.numel) if c.hi is None else []:
-                slot = None
-                if c.weights is not None:  # fetched from here before the layer next runs
-                    out = c.weights[lo:hi]
-                elif self.streams.cuda:  # up through a pinned staging buffer
-                    slot, out = self._staging(hi - lo)
-                else:
-                    out = None  # CPU: copied into the model from the master
-                self._cpu_update(c, self._cut(states, lo, hi), lo, hi, out, hyper, coef)
-                if slot is not None:
-                    events.append(self._upload_staging(c, slot, lo, hi, after_backward))
-                elif out is None:
-                    for p, a, b, sa, sb in self._param_ranges(c, lo, hi):
-                        p.data.view(-1)[a:b].copy_(states[0][sa:sb])
+            else:
+                events += self._update_slices(c, states, hyper, coef, after_backward)
             if c.tier == "nvme":
                 t2 = time.perf_counter()
                 NVMeTier.write(c.file, raw)
                 self.profile.busy("nvme", time.perf_counter() - t2, c.numel * self.format.bytes)
             self.profile.busy("update_thread", time.perf_counter() - t0)
+        return events
+
+    def _update_slices(self, c: Chunk, states, hyper, coef: float, after_backward) -> list:
+        """A host or NVMe chunk with an fp32 master row, on the CPU, a slice at a time: the new weights
+        into an offloaded layer's host copy, up through a pinned upload buffer, or (a CPU run) into the
+        model from the master; returns the uploads' events."""
+        events = []
+        for lo, hi in slices(c.numel):
+            slot = None
+            if c.weights is not None:  # fetched from here before the layer next runs
+                out = c.weights[lo:hi]
+            elif self.streams.cuda:  # up through a pinned staging buffer
+                slot, out = self._staging(hi - lo)
+            else:
+                out = None  # CPU: copied into the model from the master
+            self._cpu_update(c, self._cut(states, lo, hi), lo, hi, out, hyper, coef)
+            if slot is not None:
+                events.append(self._upload_staging(c, slot, lo, hi, after_backward))
+            elif out is None:
+                for p, a, b, sa, sb in self._param_ranges(c, lo, hi):
+                    p.data.view(-1)[a:b].copy_(states[0][sa:sb])
         return events
 
     def _update_remainders(self, c: Chunk, states, hyper, coef: float, after_backward) -> list:
@@ -254,10 +270,7 @@ class Update:
                     else:  # up in its dtype, converted on the device
                         grad_in[:hi - lo].copy_(c.grad[lo:hi], non_blocking=True)
                         grad.copy_(grad_in[:hi - lo])
-                    if self.cpu_adam is not None and not cuda:  # a CPU run: every update the same kernel
-                        self._native_adamw(c, states, grad, hyper, coef)
-                    else:
-                        self._fused_adamw(c, states, grad, hyper, coef)
+                    self._fp32_adamw(c, states, grad, hyper, coef)  # the rows decoded, if they were not fp32
                     if packed is not None:
                         encode(self.format, states, arriving, weights)
                     if weights is None:
