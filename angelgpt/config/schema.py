@@ -26,7 +26,7 @@ def _require(cond: bool, msg: str) -> None:
 
 
 # the dtypes ZeRO-Cache keeps Adam's moments in (optim.exp_avg_dtype, optim.exp_avg_sq_dtype)
-MOMENT_DTYPES = ("fp32", "bf16")
+MOMENT_DTYPES = ("fp32", "bf16", "fp8")
 # the largest adam_beta2 a bf16 exp_avg_sq takes: its decay of 1 - beta2 a step must stay clear of half
 # a bf16 step (2**-9 relative), where rounding to nearest would keep the moment where it is
 BF16_EXP_AVG_SQ_MAX_BETA2 = 0.99
@@ -230,11 +230,14 @@ class OptimConfig:
     exact ties only; the master is the same. Only for a bf16 model (a GPU run); Megatron's optimizers
     refuse it."""
     exp_avg_dtype: str = "fp32"
-    """dtype ZeRO-Cache keeps Adam's first moment in (Megatron's exp_avg_dtype): 'fp32', or 'bf16' (2
-    bytes a parameter less; rounded to nearest on every write). The update itself runs in fp32."""
+    """dtype ZeRO-Cache keeps Adam's first moment in (Megatron's exp_avg_dtype): 'fp32'; 'bf16' (2 bytes
+    a parameter less; rounded to nearest on every write); or 'fp8' (3 bytes less: E4M3 with an fp32
+    power-of-two scale per block of 256, rounded stochastically on every write). The update itself runs
+    in fp32."""
     exp_avg_sq_dtype: str = "fp32"
-    """dtype ZeRO-Cache keeps Adam's second moment in (Megatron's exp_avg_sq_dtype): 'fp32' or 'bf16'
-    (with adam_beta2 <= 0.99 only: a bf16 moment cannot take a smaller decay a step)."""
+    """dtype ZeRO-Cache keeps Adam's second moment in (Megatron's exp_avg_sq_dtype): 'fp32'; 'bf16'
+    (with adam_beta2 <= 0.99 only: a bf16 moment cannot take a smaller decay a step); or 'fp8' (its
+    square root in E4M3 with a scale per block of 256, rounded stochastically, so any beta2)."""
 
     def __post_init__(self):
         _require(self.optimizer in ("megatron", "megatron_cpu_offload", "zero_cache"),
@@ -244,7 +247,7 @@ class OptimConfig:
                      f"optim.{key} must be one of {', '.join(MOMENT_DTYPES)}, got '{getattr(self, key)}'")
         # a bf16 value moves only by more than half its step (2**-9 of it): with beta2 near 1 the second
         # moment's decay (1 - beta2 of it a step) would round away and the moment would stop shrinking
-        _require(self.exp_avg_sq_dtype == "fp32" or self.adam_beta2 <= BF16_EXP_AVG_SQ_MAX_BETA2,
+        _require(self.exp_avg_sq_dtype != "bf16" or self.adam_beta2 <= BF16_EXP_AVG_SQ_MAX_BETA2,
                  f"optim.exp_avg_sq_dtype 'bf16' needs optim.adam_beta2 <= {BF16_EXP_AVG_SQ_MAX_BETA2} (a bf16 "
                  f"moment cannot take the smaller decay of beta2 {self.adam_beta2}: it rounds away); use 'fp32'")
         compact = [k for k, v in (("store_param_remainders", self.store_param_remainders),

@@ -32,8 +32,10 @@ def bytes_per_parameter(cfg, world: int) -> str:
     grad = grad_bytes(cfg, dp)
     o = cfg.optim
     master = "master as an int16 remainder beside the weight" if remainders else "fp32 master"
-    return (f"model states: {MODEL_BYTES + states + grad} bytes a parameter ({MODEL_BYTES} weight + {states} states "
-            f"[{master}, exp_avg {o.exp_avg_dtype}, exp_avg_sq {o.exp_avg_sq_dtype}] + {grad} gradient)")
+    said = lambda x: f"{x:.2f}".rstrip("0").rstrip(".")  # noqa: E731  (fp8 scales: a fraction of a byte)
+    return (f"model states: {said(MODEL_BYTES + states + grad)} bytes a parameter ({MODEL_BYTES} weight + "
+            f"{said(states)} states [{master}, exp_avg {o.exp_avg_dtype}, exp_avg_sq {o.exp_avg_sq_dtype}] + "
+            f"{grad} gradient)")
 
 
 def render(cfg, hw: Machine, gpus_per_node: int, nodes: int, plans: Dict[str, SystemPlan], params: int) -> str:

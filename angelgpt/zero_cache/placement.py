@@ -12,7 +12,9 @@ from typing import Dict, List, Optional
 
 STATES = 3  # master weights, exp_avg, exp_avg_sq
 FP32_STATE_BYTES = STATES * 4  # a chunk element's states, all in fp32
-MOMENT_BYTES = {"fp32": 4, "bf16": 2}  # optim.exp_avg_dtype, optim.exp_avg_sq_dtype
+MOMENT_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1}  # optim.exp_avg_dtype, optim.exp_avg_sq_dtype
+# elements an fp8 moment's scale covers (blockwise: one fp32 power-of-two scale per block of the chunk)
+FP8_BLOCK = 256
 # elements updated at a time: the fp32 gradient scratch and the upload buffers hold one slice
 SLICE = int(os.environ.get("ANGELGPT_ZERO_CACHE_SLICE", 1 << 26))
 # elements a device update buffer holds (two of them: host chunks updated on the device stream through them)
@@ -31,10 +33,21 @@ CODEC_SLICE = 1 << 22
 GPU_HEADROOM = 0.03
 
 
-def state_bytes(remainders: bool = False, exp_avg: str = "fp32", exp_avg_sq: str = "fp32") -> int:
+def state_bytes(remainders: bool = False, exp_avg: str = "fp32", exp_avg_sq: str = "fp32"):
     """Bytes a chunk keeps per element: the master (fp32, or the 16-bit remainder that with the bf16
-    weight makes it: optim.store_param_remainders) and the two moments in their dtypes."""
-    return (2 if remainders else 4) + MOMENT_BYTES[exp_avg] + MOMENT_BYTES[exp_avg_sq]
+    weight makes it: optim.store_param_remainders) and the two moments in their dtypes, an fp8 moment's
+    block scales (4 bytes per FP8_BLOCK elements) as the fraction (an int where there is none)."""
+    whole = (2 if remainders else 4) + MOMENT_BYTES[exp_avg] + MOMENT_BYTES[exp_avg_sq]
+    scaled = [exp_avg, exp_avg_sq].count("fp8")
+    return whole + 4 * scaled / FP8_BLOCK if scaled else whole
+
+
+def state_nbytes(numel: int, states) -> int:
+    """Bytes a chunk of `numel` elements keeps, `states` bytes an element (state_bytes): the rows, and
+    an fp8 moment's scales for every block begun (the last block may be partial)."""
+    whole = int(states)
+    scaled = round((states - whole) * FP8_BLOCK / 4)
+    return whole * numel + 4 * scaled * -(-numel // FP8_BLOCK)
 
 
 def slices(numel: int, size: int = SLICE):
@@ -96,7 +109,7 @@ def tier_bytes(numels: List[int], tiers: List[str], grad_bytes: int,
     The planner uses this too."""
     need = {"device": 0, "host": 0, "nvme": 0}
     for n, t in zip(numels, tiers):
-        need[t] += states * n
+        need[t] += state_nbytes(n, states)
         need["device" if t == "device" else "host"] += grad_bytes * n
     for tier, members in (("device", ("device",)), ("host", ("host", "nvme"))):
         sizes = [n for n, t in zip(numels, tiers) if t in members]
@@ -106,7 +119,7 @@ def tier_bytes(numels: List[int], tiers: List[str], grad_bytes: int,
                 need[tier] += STATES * 4 * min(max(sizes), CODEC_SLICE)
     nvme = [n for n, t in zip(numels, tiers) if t == "nvme"]
     if nvme:
-        need["host"] += 2 * states * max(nvme)
+        need["host"] += 2 * state_nbytes(max(nvme), states)
     return need
 
 
@@ -119,7 +132,7 @@ def host_room_for_states(host_limit: float, numels: List[int], grad_bytes: int, 
     if states != FP32_STATE_BYTES:
         fixed += STATES * 4 * min(largest, CODEC_SLICE)
     if nvme_enabled:
-        fixed += 2 * states * largest
+        fixed += 2 * state_nbytes(largest, states)
     return host_limit - fixed
 
 
@@ -213,8 +226,14 @@ def device_update_bytes(numels: List[int], streamed: List[bool], grad_bytes: int
     it arrives in their dtype (an fp32 gradient arrives in its row directly), and where the states are
     not all fp32 the states as they arrive (`states` bytes an element), decoded on the device."""
     largest = max((n for n, s in zip(numels, streamed) if s), default=0)
-    arriving = (grad_bytes if grad_bytes != 4 else 0) + (states if states != FP32_STATE_BYTES else 0)
-    return 2 * ((STATES + 1) * 4 + arriving) * device_update_elements(largest)
+    n = device_update_elements(largest)
+    return 2 * (((STATES + 1) * 4 + (grad_bytes if grad_bytes != 4 else 0)) * n + packed_nbytes(n, states))
+
+
+def packed_nbytes(n: int, states) -> int:
+    """Bytes of a device update buffer's states as they arrive (none where they are all fp32: they
+    arrive in their rows), a multiple of 8 so the buffer's parts stay aligned."""
+    return 0 if states == FP32_STATE_BYTES else -(-state_nbytes(n, states) // 8) * 8
 
 
 def device_update_elements(largest: int) -> int:
@@ -243,7 +262,7 @@ def place(groups: List[int], numels: List[int], n_groups: int, rate: float, host
     room = host_room_for_states(host_limit, numels, grad_bytes, nvme_enabled, states)
     fitting, last = None, None  # the last placement that fits; the tiers of the pass before
     for _ in range(4 * len(numels) + 4):  # each pass moves a chunk between host and NVMe, or stops
-        tiers = plan_tiers([n * states for n in numels], rate, room, nvme_enabled)
+        tiers = plan_tiers([state_nbytes(n, states) for n in numels], rate, room, nvme_enabled)
         flags = offloaded_layers(groups, tiers, n_groups, offload_params)
         if allowed is not None:  # over DP a layer is offloaded on every rank or on none
             flags = [f and a for f, a in zip(flags, allowed)]
@@ -263,6 +282,6 @@ def place(groups: List[int], numels: List[int], n_groups: int, rate: float, host
         if tiers == last or (over > 0 and (fitting or room <= 0)) or (over <= 0 and "nvme" not in tiers):
             return fitting or (tiers, flags, need, streamed)
         # next pass: the host states that were placed, less what is over the limit or plus what is free
-        room = sum(states * n for n, t in zip(numels, tiers) if t == "host") - over
+        room = sum(state_nbytes(n, states) for n, t in zip(numels, tiers) if t == "host") - over
         last = tiers
     return fitting or (tiers, flags, need, streamed)

@@ -17,19 +17,59 @@ norm skips the step that would make one.)
     fmt = StateFormat.from_config(cfg.optim, model_dtype)
     rows = fmt.rows(raw, n)                  # [master or remainder, exp_avg, exp_avg_sq], typed views
     decode(fmt, rows, hi, work)              # work [3, n] fp32 <- the states
-    encode(fmt, work, rows, hi)              # the states (and the weights hi) <- work
+    encode(fmt, work, rows, hi, seed, base)  # the states (and the weights hi) <- work
+
+An fp8 moment (Blockwise) is one byte an element, float8 E4M3 codes, and one fp32 power-of-two scale
+per FP8_BLOCK elements of the chunk: the block's largest magnitude over the scale is at most 448, E4M3's
+largest. exp_avg_sq keeps its square root so (sqrt(v) spans half the binary orders of magnitude v does:
+E4M3's 2**18 then covers 2**36 of v). Writes round stochastically: a value between two codes goes to
+the upper with probability its distance from the lower over their gap, so small updates add up in
+expectation instead of rounding away; the random bits are a hash of (chunk, row, step, element), the
+same in every tier and on every device, so a run repeats bit for bit and a resume continues as the
+uninterrupted run would. A value already a code times the scale is written exactly: the decoded values
+(E4M3 has 4 significant bits, their squares 8) are exact in bf16, the dtype checkpoints keep them in.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 
-from angelgpt.zero_cache.placement import CODEC_SLICE, MOMENT_BYTES, STATES, slices, state_bytes
+from angelgpt.zero_cache.placement import (CODEC_SLICE, FP8_BLOCK, MOMENT_BYTES, STATES, slices, state_bytes,
+                                           state_nbytes)
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.uint8}
+E4M3_MAX = 448.0
+
+
+class Blockwise:
+    """An fp8 moment's row: E4M3 codes [n] (uint8) and an fp32 scale per FP8_BLOCK of them. Sliced at
+    block boundaries (relative to the chunk) like a tensor; copied, codes and scales, like one."""
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor):
+        self.codes, self.scales = codes, scales
+
+    def __getitem__(self, s: slice) -> "Blockwise":
+        lo, hi, _ = s.indices(self.codes.numel())
+        assert lo % FP8_BLOCK == 0, "an fp8 row is cut at block boundaries"
+        return Blockwise(self.codes[lo:hi], self.scales[lo // FP8_BLOCK:-(-hi // FP8_BLOCK)])
+
+    def numel(self) -> int:
+        return self.codes.numel()
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    def copy_(self, other: "Blockwise", non_blocking: bool = False) -> "Blockwise":
+        self.codes.copy_(other.codes, non_blocking=non_blocking)
+        self.scales.copy_(other.scales, non_blocking=non_blocking)
+        return self
+
+    def cpu(self) -> "Blockwise":
+        return Blockwise(self.codes.cpu(), self.scales.cpu())
 
 
 @dataclass(frozen=True)
@@ -62,13 +102,31 @@ class StateFormat:
         return not self.remainders and self.exp_avg == "fp32" and self.exp_avg_sq == "fp32"
 
     @property
-    def bytes(self) -> int:
-        """Bytes per element of the three rows."""
+    def blockwise(self) -> bool:
+        """A moment is fp8 (Blockwise rows, torch's codec: the one-pass CPU kernel does not take it)."""
+        return "fp8" in (self.exp_avg, self.exp_avg_sq)
+
+    @property
+    def bytes(self):
+        """Bytes per element of the three rows (placement.state_bytes: fp8 scales as the fraction)."""
         return state_bytes(self.remainders, self.exp_avg, self.exp_avg_sq)
+
+    def nbytes(self, n: int) -> int:
+        """Bytes of n elements' states (fp8 scales for every block begun)."""
+        return state_nbytes(n, self.bytes)
+
+    @property
+    def kinds(self) -> List[str]:
+        return ["remainder" if self.remainders else "fp32", self.exp_avg, self.exp_avg_sq]
 
     @property
     def dtypes(self) -> List[torch.dtype]:
         return [torch.int16 if self.remainders else torch.float32, DTYPES[self.exp_avg], DTYPES[self.exp_avg_sq]]
+
+    @property
+    def checkpoint_dtypes(self) -> List[torch.dtype]:
+        """The rows' dtypes in a checkpoint: an fp8 moment is saved decoded, in bf16 (exact)."""
+        return [torch.bfloat16 if d == torch.uint8 else d for d in self.dtypes]
 
     @property
     def names(self) -> List[str]:
@@ -77,7 +135,8 @@ class StateFormat:
 
     def describe(self) -> str:
         master = "bf16 weight + int16 remainder" if self.remainders else "fp32 master"
-        return f"{master}, exp_avg {self.exp_avg}, exp_avg_sq {self.exp_avg_sq} ({self.bytes} bytes an element)"
+        return (f"{master}, exp_avg {_moment_name(self.exp_avg)}, exp_avg_sq {_moment_name(self.exp_avg_sq)} "
+                f"({self.bytes:g} bytes an element)")
 
     def states(self, raw: torch.Tensor, n: int):
         """A chunk's states in raw bytes: [3, n] fp32 where every row is fp32, else the typed rows."""
@@ -85,16 +144,29 @@ class StateFormat:
             return raw.view(torch.float32).view(STATES, n)
         return self.rows(raw, n)
 
-    def rows(self, raw: torch.Tensor, n: int) -> List[torch.Tensor]:
-        """Typed views of the three rows of a flat uint8 buffer holding n elements' states (laid out
-        4-byte rows first, so each row is aligned to its dtype in a 4-byte aligned buffer)."""
-        out: List[Optional[torch.Tensor]] = [None] * STATES
+    def rows(self, raw: torch.Tensor, n: int) -> list:
+        """Typed views of the three rows of a flat uint8 buffer holding n elements' states (Blockwise for
+        an fp8 moment), laid out fp8 scales first, then 4-byte rows, 2-byte rows and 1-byte codes, so
+        that each is aligned to its dtype in a 4-byte aligned buffer."""
+        out: list = [None] * STATES
+        blocks = -(-n // FP8_BLOCK)
         off = 0
+        scales = {}
+        for k in range(STATES):
+            if self.dtypes[k] == torch.uint8:
+                scales[k] = raw[off:off + 4 * blocks].view(torch.float32)
+                off += 4 * blocks
         for k in sorted(range(STATES), key=lambda k: -self.dtypes[k].itemsize):
             size = n * self.dtypes[k].itemsize
             out[k] = raw[off:off + size].view(self.dtypes[k])
+            if k in scales:
+                out[k] = Blockwise(out[k], scales[k])
             off += size
         return out
+
+
+def _moment_name(kind: str) -> str:
+    return "fp8 (E4M3, a scale per 256)" if kind == "fp8" else kind
 
 
 def decoded_master(fmt: StateFormat, states, hi: Optional[torch.Tensor]) -> torch.Tensor:
@@ -121,7 +193,7 @@ def split_master(master: torch.Tensor, hi: torch.Tensor, rem: torch.Tensor) -> N
     hi.view(torch.int16).copy_(((bits >> 16) + ((bits & 0x8000) != 0).to(torch.int32)).to(torch.int16))
 
 
-def decode(fmt: StateFormat, rows: List[torch.Tensor], hi: Optional[torch.Tensor], work: torch.Tensor) -> None:
+def decode(fmt: StateFormat, rows: list, hi: Optional[torch.Tensor], work: torch.Tensor) -> None:
     """work [3, n] fp32 <- the states (rows as StateFormat.rows gives them, sliced alike; hi: the bf16
     weights of the same elements where the master is a remainder), CODEC_SLICE elements at a time (the
     integer temporaries stay small)."""
@@ -130,21 +202,96 @@ def decode(fmt: StateFormat, rows: List[torch.Tensor], hi: Optional[torch.Tensor
             join_master(hi[a:b], rows[0][a:b], work[0, a:b])
         else:
             work[0, a:b].copy_(rows[0][a:b])
-        work[1, a:b].copy_(rows[1][a:b])
-        work[2, a:b].copy_(rows[2][a:b])
+        for k in (1, 2):
+            read_moment(rows[k][a:b], work[k, a:b], squared=k == 2)
 
 
-def encode(fmt: StateFormat, work: torch.Tensor, rows: List[torch.Tensor], hi: Optional[torch.Tensor]) -> None:
+def encode(fmt: StateFormat, work: torch.Tensor, rows: list, hi: Optional[torch.Tensor],
+           seed: Tuple[int, int] = (0, 0), base: int = 0) -> None:
     """The states (and, with remainders, the weights hi) <- work [3, n] fp32; bf16 moments rounded to
-    nearest even."""
+    nearest even, fp8 ones stochastically (seed: (chunk, step); base: the chunk element rows[k][0] is)."""
     for a, b in slices(work.shape[1], CODEC_SLICE):
         if fmt.remainders:
             split_master(work[0, a:b], hi[a:b], rows[0][a:b])
         else:
             rows[0][a:b].copy_(work[0, a:b])
-        rows[1][a:b].copy_(work[1, a:b])
-        rows[2][a:b].copy_(work[2, a:b])
+        for k in (1, 2):
+            write_moment(work[k, a:b], rows[k][a:b], squared=k == 2, seed=(seed[0] * STATES + k, seed[1]),
+                         base=base + a)
 
 
-__all__ = ["DTYPES", "MOMENT_BYTES", "StateFormat", "decode", "decoded_master", "encode", "join_master",
-           "split_master"]
+def read_moment(row, out: torch.Tensor, squared: bool = False) -> torch.Tensor:
+    """out (fp32) <- a moment row's values (an fp8 exp_avg_sq: the square of what is kept)."""
+    if not isinstance(row, Blockwise):
+        return out.copy_(row)
+    n = row.numel()
+    blocks = row.scales.numel()
+    values = row.codes.view(torch.float8_e4m3fn).float()
+    if n == blocks * FP8_BLOCK:
+        values.view(blocks, FP8_BLOCK).mul_(row.scales.unsqueeze(1))
+    else:
+        values.mul_(row.scales.repeat_interleave(FP8_BLOCK)[:n])
+    return out.copy_(values.square_() if squared else values)
+
+
+def write_moment(values: torch.Tensor, row, squared: bool = False, seed: Tuple[int, int] = (0, 0),
+                 base: int = 0) -> None:
+    """A moment row <- fp32 values (an fp8 exp_avg_sq keeps their square root), rounded to nearest even
+    into bf16, stochastically into fp8 (blockwise scales from each block's largest magnitude)."""
+    if not isinstance(row, Blockwise):
+        row.copy_(values)
+        return
+    x = values.sqrt() if squared else values
+    n, blocks = x.numel(), row.scales.numel()
+    padded = x if n == blocks * FP8_BLOCK else torch.nn.functional.pad(x, (0, blocks * FP8_BLOCK - n))
+    amax = padded.view(blocks, FP8_BLOCK).abs().amax(1)
+    mantissa, exponent = torch.frexp(amax)  # amax = mantissa * 2**exponent, mantissa in [0.5, 1)
+    # the smallest power of two over which amax is at most 448 (1.75 * 2**8), kept normal
+    k = (exponent - 9 + (mantissa > E4M3_MAX / 512).to(exponent.dtype)).clamp_(-126, 127)
+    scales = torch.ldexp(torch.ones_like(amax), k)
+    row.scales.copy_(scales)
+    y = padded.view(blocks, FP8_BLOCK) / scales.unsqueeze(1)
+    q = stochastic_e4m3(y.view(-1)[:n], random_bits(n, base, seed, x.device))
+    row.codes.copy_(q.to(torch.float8_e4m3fn).view(torch.uint8))
+
+
+# odd constants below 2**31: their products with 32-bit values stay inside int64
+_MIX = (0x27D4EB2F, 0x165667B1, 0x7FEB352D, 0x2C1B3C6D, 0x297A2D39)
+_M32 = 0xFFFFFFFF
+
+
+def random_bits(n: int, base: int, seed: Tuple[int, int], device) -> torch.Tensor:
+    """32 random bits (int64) for elements base .. base + n of a row: a hash of (seed, element), the same
+    on every device."""
+    salt = (seed[0] * _MIX[0] + seed[1] * _MIX[1]) & _M32
+    x = (torch.arange(base, base + n, dtype=torch.int64, device=device) * _MIX[2] + salt) & _M32
+    for mul in _MIX[3:]:
+        x ^= x >> 16
+        x = (x * mul) & _M32
+    x ^= x >> 15
+    return x
+
+
+def stochastic_e4m3(y: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """y (fp32, |y| <= 448) rounded stochastically onto E4M3's values (an fp32 tensor of them): to the
+    upper neighbour with probability (y - lower) / (upper - lower), the bits deciding. On the fp32 bits:
+    E4M3 keeps 3 of fp32's 23 mantissa bits (normal values, |y| >= 2**-6), fewer below, down to 2**-9
+    apart; random bits added below the kept ones carry into them or not, and are cut off. Below 2**-9,
+    the result is 0 or 2**-9."""
+    a = y.abs().view(torch.int32)
+    e = (a >> 23) - 127
+    drop = 20 + (-6 - e).clamp(min=0)
+    small = e < -9
+    drop = torch.where(small, torch.zeros_like(drop), drop)
+    mask = (torch.ones_like(a) << drop) - 1
+    r = (bits & 0x7FFFFFFF).to(torch.int32)
+    q = (a + (r & mask)) & ~mask
+    # below 2**-9: 2**-9 (bits (127 - 9) << 23) with probability |y| * 2**9, from 24 of the bits
+    up = (r & 0xFFFFFF) < (y.abs() * 2.0 ** 33).to(torch.int32)
+    q = torch.where(small, torch.where(up, torch.full_like(q, (127 - 9) << 23), torch.zeros_like(q)), q)
+    q = q | (y.view(torch.int32) & (-(1 << 31)))
+    return q.view(torch.float32)
+
+
+__all__ = ["DTYPES", "MOMENT_BYTES", "Blockwise", "StateFormat", "decode", "decoded_master", "encode",
+           "join_master", "random_bits", "read_moment", "split_master", "stochastic_e4m3", "write_moment"]

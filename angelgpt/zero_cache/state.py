@@ -5,8 +5,9 @@ Per owned parameter: master, exp_avg, exp_avg_sq, each a ShardedTensor shaped li
 keyed against the model's sharded tensor, so a checkpoint loads into any placement (rate, tiers) and
 any ownership. The tensors are views of the chunks' states where they live (an NVMe chunk's file
 mapped into memory): no tier is copied whole into host memory. They keep the store's format
-(precision.py: fp32 master or its remainder, fp32 or bf16 moments), recorded in the checkpoint's
-metadata; a checkpoint of another format loads and is converted.
+(precision.py: fp32 master or its remainder, fp32 or bf16 moments; fp8 moments decoded into bf16,
+which holds their values exactly), recorded in the checkpoint's metadata; a checkpoint of another
+format loads and is converted.
 
 Owns: the states a load writes into (``_loading``) and the model key of each owned parameter.
 Touches: the chunks' states, NVMe files and step counters, an offloaded layer's ``weights``, the
@@ -21,7 +22,9 @@ from typing import Optional
 
 import torch
 
-from angelgpt.zero_cache.precision import StateFormat, join_master, split_master
+from angelgpt.zero_cache.placement import STATES
+from angelgpt.zero_cache.precision import (Blockwise, StateFormat, join_master, read_moment, split_master,
+                                           write_moment)
 from angelgpt.zero_cache.store import Chunk, Store
 
 
@@ -45,7 +48,7 @@ class CheckpointState:
         reads (or, writable, loads into) it page by page without a host copy of it."""
         if c.tier != "nvme":
             return c.states
-        raw = torch.from_file(str(c.file), shared=writable, size=self.format.bytes * c.numel, dtype=torch.uint8)
+        raw = torch.from_file(str(c.file), shared=writable, size=self.format.nbytes(c.numel), dtype=torch.uint8)
         return self.format.states(raw, c.numel)
 
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False,
@@ -53,8 +56,9 @@ class CheckpointState:
         """Per owned parameter: master, exp_avg, exp_avg_sq as ShardedTensors shaped like the parameter,
         so a checkpoint loads into any placement (rate, tiers) and any ownership. The tensors are views
         of the states in their tiers (saved from there, and loaded into them in place): no tier is copied
-        whole into host memory. They are saved in the store's format (the master as 'master', fp32, or
-        as 'master_remainder' beside the model's bf16 weights; the moments in their dtypes), named in the
+        whole into host memory (fp8 moments excepted: they are saved decoded, in bf16, a host copy each).
+        They are saved in the store's format (the master as 'master', fp32, or as 'master_remainder'
+        beside the model's bf16 weights; the moments in their dtypes, fp8 as bf16), named in the
         checkpoint's metadata; a load from another format (`metadata`: the checkpoint's) reads into host
         tensors of that format and converts. The next step updates them in place: an asynchronous
         save (checkpoint.async_save) copies what it writes into host memory before returning to
@@ -77,8 +81,12 @@ class CheckpointState:
         state = {}
         for c in self.chunks:
             rows = self._chunk_states(c, writable=is_loading)
-            if saved != self.format:  # loaded into host tensors of the saved format, converted after
-                rows = [torch.empty(c.numel, dtype=dtype) for dtype in saved.dtypes]
+            if is_loading and (saved != self.format or saved.blockwise):
+                # loaded into host tensors as the checkpoint keeps them, converted after
+                rows = [torch.empty(c.numel, dtype=dtype) for dtype in saved.checkpoint_dtypes]
+            elif self.format.blockwise:  # fp8 moments saved decoded, in bf16 (exact)
+                rows = [read_moment(r, torch.empty(c.numel), squared=k == 2).to(torch.bfloat16)
+                        if isinstance(r, Blockwise) else r for k, r in enumerate(rows)]
             if is_loading:
                 self._loading[id(c)] = rows
             for i, p in enumerate(c.params):
@@ -116,7 +124,7 @@ class CheckpointState:
                 for p, view in c.views(c.hi):
                     if p.numel() and p.data.data_ptr() != view.data_ptr():
                         view.copy_(p.data.reshape(view.shape))
-            if saved != fmt:
+            if saved != fmt or saved.blockwise:
                 master = rows[0].float() if not saved.remainders else join_master(
                     self._weights(c), rows[0], torch.empty(c.numel, dtype=torch.float32))
                 if fmt.remainders:
@@ -125,9 +133,10 @@ class CheckpointState:
                     c.hi.copy_(hi)
                 else:
                     dst[0].copy_(master)
-                dst[1].copy_(rows[1])
-                dst[2].copy_(rows[2])
+                for k in (1, 2):  # an fp8 moment's values from another format are rounded stochastically
+                    write_moment(rows[k].float(), dst[k], squared=k == 2, seed=(c.index * STATES + k, int(step)))
             c.step.fill_(step)
+            c.step_count = int(step)
             if fmt.remainders:
                 continue  # the params are views of c.hi, or refetched from it (an offloaded layer)
             if c.weights is not None:

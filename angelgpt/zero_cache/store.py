@@ -34,7 +34,7 @@ from angelgpt.zero_cache.pipeline import Profile, Streams
 from angelgpt.zero_cache.placement import (ACCUMULATION_SLOTS, CODEC_SLICE, GPU_HEADROOM, SLICE,
                                            STATES, accumulation_bytes, chunk_runs, device_update_bytes,
                                            device_update_elements, largest_off_device_group,
-                                           own_weight_buffers, partition, place,
+                                           own_weight_buffers, packed_nbytes, partition, place,
                                            prefetch_depth, training_reserve)
 from angelgpt.zero_cache.precision import StateFormat
 from angelgpt.zero_cache.tiers import (GIB, DeviceTier, HostTier, NVMeTier, available_bytes, check_capacity,
@@ -82,7 +82,9 @@ class Chunk:
     grad_ready: Optional[object] = None  # CUDA event: the gradient's D2H copy is done
     weights: Optional[torch.Tensor] = None  # offloaded layer (offload_params): its weights (the grad buffer or its own)
     step: Optional[torch.Tensor] = None
+    step_count: int = 0  # the step counter as an int, read without a device sync
     device_update: bool = False  # a host chunk that the device updates (device_update_fraction)
+    index: int = 0  # its place among the rank's chunks (seeds an fp8 moment's stochastic rounding)
     states_home: Optional[object] = None  # CUDA event: its states are back in host memory after that update
 
     def views(self, flat: torch.Tensor):
@@ -143,7 +145,7 @@ class Store:
                 mine = [p for p in group if decay[id(p)] == is_decay and self.owner[id(p)] == self.dp_rank]
                 for part, run in enumerate(chunk_runs([p.numel() for p in mine])):
                     c = Chunk(key=f"g{gi:04d}_{'decay' if is_decay else 'nodecay'}_{part}", group=gi,
-                              params=[mine[i] for i in run], decay=is_decay)
+                              params=[mine[i] for i in run], decay=is_decay, index=len(self.chunks))
                     off = 0
                     for p in c.params:
                         c.offsets.append(off)
@@ -220,8 +222,7 @@ class Store:
                 # the states the device updates
                 off = sum(c.numel for c, t in zip(self.chunks, tiers) if t != "device")
                 own_weights = sum(c.numel for c in self.chunks if flags[c.group]) if self.own_weights else 0
-                streamed = sum(c.numel for c in self.chunks if c.device_update)
-                check_memlock(grad_bytes * off + weight_bytes * own_weights + self.format.bytes * streamed)
+                check_memlock(grad_bytes * off + weight_bytes * own_weights + sum(self.format.nbytes(c.numel) for c in self.chunks if c.device_update))
 
         refuse_together(check, self.rehearsal)
         self.planned_bytes = needed
@@ -262,7 +263,7 @@ class Store:
                      for t, n in sizes.items() if n and not self.format.fp32}
         nvme_sizes = [c.numel for c in self.chunks if c.tier == "nvme"]
         if nvme_sizes:
-            self.tiers["host"].bytes += self.nvme.reserve_staging(self.format.bytes * max(nvme_sizes))
+            self.tiers["host"].bytes += self.nvme.reserve_staging(self.format.nbytes(max(nvme_sizes)))
         upload = [c.numel for c in self.chunks
                   if c.tier != "device" and not self.partitioned[c.group] and not c.device_update]
         # two pinned buffers in the model dtype carry updated weights to the device (double buffered)
@@ -304,13 +305,13 @@ class Store:
                     view.copy_(p.detach())
                     p.data = view
         if c.tier == "nvme":
-            c.file = self.nvme.create(c.key, fmt.bytes * c.numel)
-            staging = self.nvme.staging(0, fmt.bytes * c.numel).zero_()
+            c.file = self.nvme.create(c.key, fmt.nbytes(c.numel))
+            staging = self.nvme.staging(0, fmt.nbytes(c.numel)).zero_()
             if not fmt.remainders:
                 fmt.states(staging, c.numel)[0].copy_(c.grad)
             NVMeTier.write(c.file, staging)
         else:
-            c.raw = self.tiers[c.tier].allocate(fmt.bytes * c.numel, torch.uint8, pinned=c.device_update)
+            c.raw = self.tiers[c.tier].allocate(fmt.nbytes(c.numel), torch.uint8, pinned=c.device_update)
             c.states = fmt.states(c.raw, c.numel)
             if not fmt.remainders:
                 c.states[0].copy_(c.grad)
@@ -338,16 +339,16 @@ class Store:
                           for i in range(ACCUMULATION_SLOTS)] if slot else []
         states = (STATES + 1) * 4 * n
         arriving = size if dtype != torch.float32 else 0
-        packed = self.format.bytes if not self.format.fp32 else 0
+        packed = packed_nbytes(n, self.format.bytes)
         tail = 2 * states  # then, per buffer, the gradient and the states as they arrive
 
         def part(j, off, nbytes):
-            lo = tail + j * (arriving + packed) * n + off
+            lo = tail + j * (arriving * n + packed) + off
             return pool[lo:lo + nbytes]
 
         self.update_bufs = [(pool[j * states:(j + 1) * states].view(torch.float32).view(STATES + 1, n),
                              part(j, 0, n * size).view(dtype) if arriving else None,
-                             self.format.rows(part(j, arriving * n, packed * n), n) if packed else None)
+                             self.format.rows(part(j, arriving * n, packed), n) if packed else None)
                             for j in range(2)] if n else []
         self.update_free = [None, None]
 

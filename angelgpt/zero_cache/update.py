@@ -99,23 +99,23 @@ class Update:
             self.profile.exposed("step", time.perf_counter() - t0)
         return True, norm, None
 
-    def _adamw(self, c: Chunk, states, grad: torch.Tensor, hyper, coef: float, hi=None) -> None:
-        """AdamW where the chunk lives, of its states' rows (a slice of each, in the store's format; hi:
-        the slice's bf16 weights where the master row holds remainders). On the CPU the one-pass kernel
-        where it was built (every CPU update uses it: placements agree); else torch's fused AdamW (fp32
-        gradient), clipping riding in the kernel (grad_scale divides the gradient), so it costs no extra
-        pass over memory; states not all fp32 are decoded into fp32 rows (store.work) a part at a time
-        and encoded back."""
+    def _adamw(self, c: Chunk, states, grad: torch.Tensor, hyper, coef: float, hi=None, base: int = 0) -> None:
+        """AdamW where the chunk lives, of its states' rows (a slice of each from chunk element `base`,
+        in the store's format; hi: the slice's bf16 weights where the master row holds remainders). On
+        the CPU the one-pass kernel where it was built (every CPU update uses it: placements agree); else
+        torch's fused AdamW (fp32 gradient), clipping riding in the kernel (grad_scale divides the
+        gradient), so it costs no extra pass over memory; states not all fp32 (fp8 moments always) are
+        decoded into fp32 rows (store.work) a part at a time and encoded back."""
         if self.format.fp32:
             return self._fp32_adamw(c, states, grad, hyper, coef)
-        if self.cpu_adam is not None and not grad.is_cuda:
+        if self.cpu_adam is not None and not grad.is_cuda and not self.format.blockwise:
             return self._native_adamw(c, states, grad, hyper, coef, hi=hi)
         work = self.work["device" if grad.device.type == self.device.type and c.tier == "device" else "host"]
         for a, b in slices(grad.numel(), min(CODEC_SLICE, work.shape[1])):
             rows, w, part = [r[a:b] for r in states], work[:, :b - a], None if hi is None else hi[a:b]
             decode(self.format, rows, part, w)
-            self._fused_adamw(c, w, grad[a:b], hyper, coef)
-            encode(self.format, w, rows, part)
+            self._fp32_adamw(c, w, grad[a:b], hyper, coef)
+            encode(self.format, w, rows, part, seed=(c.index, c.step_count), base=base + a)
 
     def _fp32_adamw(self, c: Chunk, states, grad: torch.Tensor, hyper, coef: float) -> None:
         """AdamW of fp32 rows: the one-pass kernel on the CPU where it was built (every CPU update uses it:
@@ -146,11 +146,12 @@ class Update:
 
     def _update_on_device(self, c: Chunk, coef: float, hyper) -> None:
         c.step += 1
+        c.step_count += 1
         for lo, hi in slices(c.numel):
             grad = self.scratch["device"][:hi - lo]
             grad.copy_(c.grad[lo:hi])
             self._adamw(c, self._cut(c.states, lo, hi), grad, hyper, coef,
-                        hi=c.hi[lo:hi] if c.hi is not None else None)
+                        hi=c.hi[lo:hi] if c.hi is not None else None, base=lo)
         if c.hi is None:  # with remainders the params are views of c.hi, written by the update
             for p, view in c.views(c.states[0]):
                 p.data.copy_(view)
@@ -168,6 +169,7 @@ class Update:
             raw = self._nvme_states(c) if c.tier == "nvme" else None
             states = self.format.states(raw, c.numel) if raw is not None else c.states
             c.step += 1
+            c.step_count += 1
             if c.hi is not None:
                 events += self._update_remainders(c, states, hyper, coef, after_backward)
             else:
@@ -246,6 +248,7 @@ class Update:
             t0 = time.perf_counter()
             with on_h2d():
                 c.step += 1
+                c.step_count += 1
                 if cuda:
                     h2d.wait_event(after_backward)  # the gradients are in, backward read the old weights
                     if c.states_home is not None:
@@ -272,7 +275,7 @@ class Update:
                         grad.copy_(grad_in[:hi - lo])
                     self._fp32_adamw(c, states, grad, hyper, coef)  # the rows decoded, if they were not fp32
                     if packed is not None:
-                        encode(self.format, states, arriving, weights)
+                        encode(self.format, states, arriving, weights, seed=(c.index, c.step_count), base=lo)
                     if weights is None:
                         for p, a, b, sa, sb in self._param_ranges(c, lo, hi):
                             p.data.view(-1)[a:b].copy_(states[0, sa - lo:sb - lo])
@@ -307,7 +310,7 @@ class Update:
 
     def _timed_read(self, c: Chunk, slot: int) -> torch.Tensor:
         t0 = time.perf_counter()
-        out = NVMeTier.read(c.file, self.nvme.staging(slot, self.format.bytes * c.numel))
+        out = NVMeTier.read(c.file, self.nvme.staging(slot, self.format.nbytes(c.numel)))
         self.profile.busy("nvme", time.perf_counter() - t0, c.numel * self.format.bytes)
         return out
 
@@ -316,14 +319,15 @@ class Update:
         (model dtype; may be the gradient buffer itself, when that is in the model dtype) unless it is
         None; with remainders hi_weights are the slice's bf16 weights, read and written in place."""
         t0 = time.perf_counter()
-        if self.cpu_adam is not None:  # one pass: the gradient in (fp32 or model dtype), model-dtype weights out
+        if self.cpu_adam is not None and not self.format.blockwise:  # one pass: the gradient in (fp32 or
+            # model dtype), model-dtype weights out
             self._native_adamw(c, states, c.grad[lo:hi], hyper, coef, out, hi=hi_weights)
             self.profile.busy("cpu_optimizer", time.perf_counter() - t0)
             return
         grad = self.scratch["host"][:hi - lo]
         grad.copy_(c.grad[lo:hi])  # before an offloaded layer's new weights overwrite the buffer
         t1 = time.perf_counter()
-        self._adamw(c, states, grad, hyper, coef, hi=hi_weights)
+        self._adamw(c, states, grad, hyper, coef, hi=hi_weights, base=lo)
         t2 = time.perf_counter()
         if out is not None:
             out.copy_(states[0])

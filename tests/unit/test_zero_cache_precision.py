@@ -52,7 +52,8 @@ LAYOUTS = {"offloaded": ([], {"device", "host", "nvme", "streamed", "offloaded"}
 
 
 # host budgets (GiB) that still leave an NVMe chunk where the compact states take less room
-HOST = {("offloaded", "both"): 0.0021, ("resident", "both"): 0.0026}
+HOST = {("offloaded", "both"): 0.0021, ("resident", "both"): 0.0026, ("offloaded", "fp8-moments"): 0.0021,
+        ("resident", "fp8-moments"): 0.0026, ("offloaded", "smallest"): 0.0018, ("resident", "smallest"): 0.002}
 
 
 def build(tmp_path, fmt=(), cpu_adam="native", name="a", layout="offloaded", host=None, device="cpu",
@@ -86,6 +87,7 @@ def train_step(cfg, model, opt, seed: int) -> float:
     device = opt.store.device
     pos = torch.arange(cfg.model.seq_length, device=device).expand(2, -1)
     total = 0.0
+    opt.zero_grad()  # as the training loop does before each step
     for _ in range(MICRO):
         tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_length), generator=gen).to(device)
         loss = model(tokens, pos, None, labels=tokens).float().mean() / MICRO
@@ -98,8 +100,9 @@ def train_step(cfg, model, opt, seed: int) -> float:
 
 
 def states(model, opt) -> dict:
-    """name -> (fp32 master, exp_avg as kept, exp_avg_sq as kept, bf16 weight), NVMe chunks read back."""
-    from angelgpt.zero_cache.precision import decoded_master
+    """name -> (fp32 master, exp_avg as kept, exp_avg_sq as kept, bf16 weight), NVMe chunks read back;
+    fp8 moments decoded into bf16 (exact), and their scales per element under name + '.scales'."""
+    from angelgpt.zero_cache.precision import Blockwise, decoded_master, read_moment
 
     store = opt.store
     names = {id(p): n for n, p in model.named_parameters()}
@@ -108,6 +111,13 @@ def states(model, opt) -> dict:
         for c in store.chunks:
             rows = opt.checkpoint._chunk_states(c)
             master = decoded_master(store.format, rows, c.hi)
+            scales = [r.scales.cpu().repeat_interleave(256)[:c.numel] if isinstance(r, Blockwise) else None
+                      for r in rows]
+            rows = [read_moment(r, torch.empty(c.numel), squared=k == 2).to(torch.bfloat16)
+                    if isinstance(r, Blockwise) else r for k, r in enumerate(rows)]
+            for (p, off, shape) in zip(c.params, c.offsets, c.shapes):
+                if scales[1] is not None:
+                    out[names[id(p)] + ".scales"] = [s[off:off + shape.numel()].clone() for s in scales[1:]]
             for (p, off, shape) in zip(c.params, c.offsets, c.shapes):
                 n = shape.numel()
                 out[names[id(p)]] = (master[off:off + n].clone(), rows[1][off:off + n].clone(),
@@ -183,13 +193,17 @@ def _load(model, opt, path):
 
 
 @pytest.mark.parametrize("saved,loaded", [("fp32", "both"), ("both", "fp32"), ("both", "both"),
-                                          ("remainders", "bf16-moments"), ("both", "fp32-model")])
+                                          ("remainders", "bf16-moments"), ("both", "fp32-model"),
+                                          ("smallest", "smallest"), ("smallest", "fp32"), ("fp8-moments", "both"),
+                                          ("fp32", "smallest"), ("fp32", "fp32")])
 def test_a_checkpoint_loads_into_another_format(megatron_single_rank, tmp_path, saved, loaded):
     """Saved after a step in one format, loaded into a fresh optimizer of another (or into an fp32
     model, as a CPU run builds it): the masters are the saved ones bit for bit, the moments the saved
-    ones in the loading dtype (rounded to nearest even), and the next step's loss equals the saving
-    optimizer's own next loss to 1e-3 (to 1e-2 in the fp32 model)."""
-    fmt = lambda name: [] if name.startswith("fp32") else FORMATS[name]  # noqa: E731
+    ones in the loading dtype (rounded to nearest even; fp8 ones, saved decoded, exactly; into fp8,
+    within a code's step), and the next step's loss equals the saving optimizer's own next loss to 1e-3
+    (to 1e-2 in the fp32 model); in the same format the next step's states are the saving optimizer's
+    bit for bit."""
+    fmt = lambda name: [] if name.startswith("fp32") else {**FORMATS, **FP8}[name]  # noqa: E731
     cfg, model, opt = build(tmp_path, fmt(saved), name="saved")
     cfg2, model2, opt2 = build(tmp_path, fmt(loaded), name="loaded",
                                dtype=torch.float32 if loaded == "fp32-model" else torch.bfloat16)
@@ -198,28 +212,44 @@ def test_a_checkpoint_loads_into_another_format(megatron_single_rank, tmp_path, 
         _save(model, opt, tmp_path / "ck")
         _load(model2, opt2, tmp_path / "ck")
         a, b = states(model, opt), states(model2, opt2)
-        for k in a:
+        for k in (k for k in a if not k.endswith(".scales")):
             assert torch.equal(b[k][0].view(torch.int32), a[k][0].view(torch.int32)), k
-            assert torch.equal(b[k][1], a[k][1].to(b[k][1].dtype)) and torch.equal(b[k][2], a[k][2].to(b[k][2].dtype))
+            for j in (1, 2):
+                if loaded in FP8 and saved not in FP8:  # rounded to a neighbouring code
+                    ref, got = (a[k][j].float(), b[k][j].float()) if j == 1 else (a[k][j].float().sqrt(),
+                                                                                 b[k][j].float().sqrt())
+                    assert torch.all((got - ref).abs() <= ref.abs() / 8 + b[k + ".scales"][j - 1] * 2.0 ** -9), k
+                else:
+                    assert torch.equal(b[k][j], a[k][j].to(b[k][j].dtype)), (k, j)
         assert int(opt2.store.chunks[0].step) == 1
         x, y = train_step(cfg, model, opt, 2), train_step(cfg2, model2, opt2, 2)
         assert abs(x - y) <= (1e-2 if loaded == "fp32-model" else 1e-3) * abs(x), (x, y)
+        if saved == loaded:
+            a, b = states(model, opt), states(model2, opt2)
+            bad = [(k, j) for k in a for j, (u, v) in enumerate(zip(a[k], b[k])) if not torch.equal(u, v)]
+            assert not bad, (bad, x, y)
     finally:
         opt.close()
         opt2.close()
 
 
-@pytest.mark.parametrize("fmt", ["fp32", "both"])
+@pytest.mark.parametrize("fmt", ["fp32", "both", "smallest"])
 def test_placement_counts_what_the_store_allocates(megatron_single_rank, tmp_path, fmt):
     """The bytes placement planned per tier are the bytes the tiers allocated, in each format; the
-    compact one plans 2 + 2 + 2 = 6 bytes a parameter fewer."""
-    cfg, model, opt = build(tmp_path, [] if fmt == "fp32" else FORMATS[fmt])
+    compact one plans 2 + 2 + 2 = 6 bytes a parameter fewer, fp8 moments 2 + 3 + 3 fewer and two fp32
+    scales per 256 elements."""
+    cfg, model, opt = build(tmp_path, [] if fmt == "fp32" else {**FORMATS, **FP8}[fmt],
+                            host=HOST.get(("offloaded", fmt)))
     try:
         planned, held = opt.store.planned_bytes, opt.store.allocated_bytes()
         numel = sum(c.numel for c in opt.store.chunks)
         states_planned = sum(planned.values())
         assert {t: held[t] for t in planned} == planned
-        assert opt.store.format.bytes == (12 if fmt == "fp32" else 6)
+        assert opt.store.format.bytes == {"fp32": 12, "both": 6, "smallest": 4 + 8 / 256}[fmt]
+        assert sum(c.raw.numel() for c in opt.store.chunks if c.raw is not None) + sum(
+            c.file.stat().st_size for c in opt.store.chunks if c.file is not None) == sum(
+            4 * -(-c.numel // 256) * 2 + 4 * c.numel if fmt == "smallest" else c.numel * opt.store.format.bytes
+            for c in opt.store.chunks)
         assert states_planned >= numel * opt.store.format.bytes
     finally:
         opt.close()
@@ -235,28 +265,113 @@ def test_the_readmes_bytes_per_parameter_are_the_placements():
 
     root = Path(__file__).resolve().parents[2]
     readme = (root / "README.md").read_text()
-    rows = re.findall(r"\| (false \(default\)|true) \| (fp32|bf16)[^|]*\| (\d+) \| (\d+) \|", readme)
-    assert len(rows) == 3
+    said = lambda x: float(f"{x:.2f}")  # noqa: E731  (the tables give two decimals)
+    rows = re.findall(r"\| (false \(default\)|true) \| (fp32|bf16|fp8)[^|]*\| ([\d.]+) \| ([\d.]+) \|", readme)
+    assert len(rows) == 4
     for remainders, moments, fp32_sums, bf16_sums in rows:
         states = state_bytes(remainders == "true", moments, moments)
-        assert (int(fp32_sums), int(bf16_sums)) == (2 + states + 4, 2 + states + 2)
+        assert (float(fp32_sums), float(bf16_sums)) == (said(2 + states + 4), said(2 + states + 2))
     inner = (root / "angelgpt" / "zero_cache" / "README.md").read_text()
-    rows = re.findall(r"\| (default|`store_param_remainders: true`|and `exp_avg_dtype`[^|]*) \| [^|]+ \| (fp32|bf16) "
-                      r"\| (\d+) \| (\d+) \| (\d+) \|", inner)
-    assert len(rows) == 3
+    rows = re.findall(r"\| (default|`store_param_remainders: true`|and `exp_avg_dtype`[^|]*) \| [^|]+ \| "
+                      r"(fp32|bf16|fp8) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|", inner)
+    assert len(rows) == 4
     for choice, moments, states, fp32_sums, bf16_sums in rows:
-        assert int(states) == state_bytes(choice != "default", moments, moments)
-        assert (int(fp32_sums), int(bf16_sums)) == (2 + int(states) + 4, 2 + int(states) + 2)
+        exact = state_bytes(choice != "default", moments, moments)
+        assert float(states) == said(exact)
+        assert (float(fp32_sums), float(bf16_sums)) == (said(2 + exact + 4), said(2 + exact + 2))
 
 
 def test_plan_says_the_bytes_a_parameter_costs():
     """`angelgpt plan` prints ZeRO-Cache's model states a parameter for the formats chosen: 18 by default
-    with fp32 sums, 16 with remainders, 12 with bf16 moments too, 10 with bf16 sums as well."""
+    with fp32 sums, 16 with remainders, 12 with bf16 moments too, 10 with bf16 sums as well, 8.03 with
+    fp8 moments instead."""
     from angelgpt.config import parse
     from angelgpt.planner.report import bytes_per_parameter
 
     base = ["optim.optimizer=zero_cache", "train.micro_batch_size=2", "train.global_batch_size=32"]
     for extra, total in (([], 18), (FORMATS["remainders"], 16), (FORMATS["both"], 12),
-                         ([*FORMATS["both"], "optim.accumulate_grads_in_fp32=false"], 10)):
+                         ([*FORMATS["both"], "optim.accumulate_grads_in_fp32=false"], 10),
+                         ([*FP8["smallest"], "optim.accumulate_grads_in_fp32=false"], 8.03)):
         line = bytes_per_parameter(parse("h200-16b", overrides=[*base, *extra]), world=1)
         assert line.startswith(f"model states: {total} bytes a parameter"), line
+
+
+FP8 = {"fp8-moments": ["optim.exp_avg_dtype=fp8", "optim.exp_avg_sq_dtype=fp8"],
+       "smallest": ["optim.store_param_remainders=true", "optim.exp_avg_dtype=fp8", "optim.exp_avg_sq_dtype=fp8"]}
+
+
+def test_fp8_moments_keep_codes_exactly_and_round_the_rest_without_bias():
+    """An fp8 row (E4M3 codes, a power-of-two scale per 256): values that are codes times the scale are
+    written exactly, whatever the random bits; others go to one of the two neighbouring codes with the
+    mean of many writes the value itself (stochastic rounding), also below E4M3's normal range and for
+    exp_avg_sq (kept as its square root); decoded values, squared ones too, are exact in bf16."""
+    from angelgpt.zero_cache.precision import Blockwise, read_moment, write_moment
+
+    def row(n):
+        return Blockwise(torch.empty(n, dtype=torch.uint8), torch.empty(-(-n // 256), dtype=torch.float32))
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1000, generator=gen) * torch.logspace(-6, 0, 1000)  # a tail block of 232
+    r = row(x.numel())
+    write_moment(x, r, seed=(1, 1))
+    kept = read_moment(r, torch.empty(x.numel()))
+    assert torch.equal(kept.to(torch.bfloat16).float(), kept)
+    for seed in ((2, 7), (5, 9)):  # a code is written back as itself
+        r2 = row(x.numel())
+        write_moment(kept, r2, seed=seed)
+        assert torch.equal(r2.codes, r.codes) and torch.equal(r2.scales, r.scales)
+    blocks = torch.split(x.abs(), 256)
+    scales = torch.stack([b.max() for b in blocks])
+    assert torch.all(scales / r.scales <= 448) and torch.all(scales / r.scales > 224)
+    assert torch.all(torch.frexp(r.scales).mantissa == 0.5)  # powers of two
+    gap = (r.scales.repeat_interleave(256)[:x.numel()] * 32)  # the largest step between codes of a block
+    assert torch.all((kept - x).abs() <= gap)
+    for value in (0.3, -0.0041, 3e-5):  # one block's largest is 1: 3e-5 is below E4M3's normal range
+        many = torch.full((256 * 400,), value)
+        many[::256] = 1.0
+        rr = row(many.numel())
+        write_moment(many, rr, seed=(3, 3))
+        got = read_moment(rr, torch.empty(many.numel())).view(400, 256)[:, 1:]
+        assert got.unique().numel() == 2
+        assert abs(got.double().mean().item() - value) < 0.01 * abs(value), value
+    v = x.square()
+    rv = row(v.numel())
+    write_moment(v, rv, squared=True, seed=(4, 1))
+    vv = read_moment(rv, torch.empty(v.numel()), squared=True)
+    assert torch.equal(vv.to(torch.bfloat16).float(), vv)
+    write_moment(vv, r2, squared=True, seed=(8, 8))
+    assert torch.equal(r2.codes, rv.codes) and torch.equal(r2.scales, rv.scales)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("fmt", list(FP8))
+def test_fp8_moments_update_as_the_fp32_path_within_a_code(megatron_single_rank, tmp_path, fmt, layout):
+    """One step in every tier from the same model and batches: the master equals the fp32 path's bit
+    for bit (the first step's moments start at zero, which fp8 keeps exactly) and each moment is the
+    fp32 path's rounded to one of its two neighbouring fp8 values; three more steps give losses within
+    1e-2 of the fp32 path's."""
+    off = ["optim.clip_grad=0"]
+    cfg, model, opt = build(tmp_path, off, name="ref", layout=layout)
+    cfg2, model2, opt2 = build(tmp_path, [*FP8[fmt], *off], name="fp8", layout=layout,
+                               host=HOST[layout, fmt])
+    try:
+        assert tiers(opt) == tiers(opt2) == LAYOUTS[layout][1]
+        assert train_step(cfg, model, opt, 1) == train_step(cfg2, model2, opt2, 1)
+        ref, got = states(model, opt), states(model2, opt2)
+        for k in ref:
+            if k.endswith(".scales"):
+                continue
+            master, m, v, _ = ref[k]
+            master2, m2, v2, _ = got[k]
+            assert torch.equal(master2.view(torch.int32), master.view(torch.int32)), k
+            assert m2.dtype == v2.dtype == torch.bfloat16  # decoded (exact)
+            # within a code's step of the fp32 path's: an eighth of the value, or the block's smallest step
+            # (a block may span two parameters of the tiny model: the smallest step is its larger one's)
+            step_m, step_v = (s * 2.0 ** -9 for s in got[k + ".scales"])
+            assert torch.all((m2.float() - m).abs() <= m.abs() / 8 + step_m), k
+            assert torch.all((v2.float().sqrt() - v.sqrt()).abs() <= v.sqrt() / 8 + step_v), k
+        losses = [(train_step(cfg, model, opt, s), train_step(cfg2, model2, opt2, s)) for s in (2, 3, 4)]
+        assert all(abs(a - b) <= 1e-2 * abs(a) for a, b in losses), losses
+    finally:
+        opt.close()
+        opt2.close()
