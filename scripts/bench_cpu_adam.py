@@ -2,7 +2,8 @@
 bf16 weights out into a pinned upload buffer. Compares the one-pass kernel (zero_cache.cpu_adam=native)
 with torch's fused AdamW and the two conversions around it ('torch'), and times the kernel on the compact
 states too ('native-compact': the master as the bf16 weight, read and written in place, and an int16
-remainder; bf16 moments: optim.store_param_remainders, optim.exp_avg_dtype and exp_avg_sq_dtype bf16).
+remainder; bf16 moments: optim.store_param_remainders, optim.exp_avg_dtype and exp_avg_sq_dtype bf16;
+'native-fp8': the same master, fp8 moments, exp_avg_dtype and exp_avg_sq_dtype fp8).
 
     python scripts/bench_cpu_adam.py [--numel 67108864] [--threads N] [--repeats 7] [--out benchmarks/results]
 
@@ -60,6 +61,14 @@ def main() -> int:
     compact = [torch.empty(n, dtype=torch.int16), states["native"][1].to(torch.bfloat16),
                states["native"][2].to(torch.bfloat16)]
     split_master(states["native"][0], weights, compact[0])
+    from angelgpt.zero_cache.precision import StateFormat, write_moment
+
+    fp8 = StateFormat(True, "fp8", "fp8")
+    fp8_rows = fp8.rows(torch.empty(fp8.nbytes(n), dtype=torch.uint8), n)
+    fp8_weights = weights.clone()
+    fp8_rows[0].copy_(compact[0])
+    write_moment(states["native"][1], fp8_rows[1])
+    write_moment(states["native"][2], fp8_rows[2], squared=True)
     grad = torch.empty(n, dtype=torch.bfloat16, pin_memory=pin).normal_(generator=gen).mul_(1e-3)
     out = torch.empty(n, dtype=torch.bfloat16, pin_memory=pin)
     scratch = torch.empty(n, pin_memory=pin)  # the torch path's fp32 gradient
@@ -73,6 +82,9 @@ def main() -> int:
     def native_compact(step):
         kernel.step(compact, grad, None, step=step, coef=0.5, hi=weights, **hyper)
 
+    def native_fp8(step):
+        kernel.step(fp8_rows, grad, None, step=step, coef=0.5, hi=fp8_weights, seed=(0, step), **hyper)
+
     def torch_path(step):
         st = states["torch"]
         scratch.copy_(grad)
@@ -82,9 +94,10 @@ def main() -> int:
                             eps=hyper["eps"], amsgrad=False, maximize=False, grad_scale=torch.tensor(2.0))
         out.copy_(st[0])
 
-    times = {"native": [], "torch": [], "native-compact": []}
+    times = {"native": [], "torch": [], "native-compact": [], "native-fp8": []}
     for step in range(1, args.repeats + 2):  # the first round warms up (page faults, thread start)
-        for name, fn in (("native", native), ("torch", torch_path), ("native-compact", native_compact)):
+        for name, fn in (("native", native), ("torch", torch_path), ("native-compact", native_compact),
+                         ("native-fp8", native_fp8)):
             t0 = time.perf_counter()
             fn(step)
             if step > 1:
@@ -98,12 +111,14 @@ def main() -> int:
         "speedup": statistics.median(times["torch"]) / statistics.median(times["native"]),
         "master_max_rel_diff": diff,
         "compact_speedup": statistics.median(times["native"]) / statistics.median(times["native-compact"]),
+        "fp8_speedup": statistics.median(times["native"]) / statistics.median(times["native-fp8"]),
         "compact_master_max_rel_diff": ((join_master(weights, compact[0], torch.empty(n)) - states["native"][0]).abs()
                                         .max() / states["native"][0].abs().max()).item(),
     })
     print(f"wrote {write_result(args.out, result, indent=1)}")
     print(json.dumps({k: result[k] for k in ("median_s", "gparams_per_s", "speedup", "master_max_rel_diff",
-                                                      "compact_speedup", "compact_master_max_rel_diff")}))
+                                                      "compact_speedup", "fp8_speedup",
+                                                      "compact_master_max_rel_diff")}))
     return 0
 
 

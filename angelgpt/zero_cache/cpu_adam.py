@@ -80,7 +80,8 @@ class CpuAdam:
         lib = ctypes.CDLL(str(path))  # a CDLL call releases the GIL: the update thread runs beside training
         fn = lib.angelgpt_adamw
         vp, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-        fn.argtypes = [vp, vp, vp, vp, vp, vp, i, ctypes.c_int64, f, f, f, f, f, f, f, i]
+        u32, i64 = ctypes.c_uint32, ctypes.c_int64
+        fn.argtypes = [vp, vp, vp, vp, vp, vp, i, i64, f, f, f, f, f, f, f, i, vp, vp, u32, u32, i64]
         fn.restype = None
         self._fn = fn
         self.path = path
@@ -101,19 +102,26 @@ class CpuAdam:
 
     def step(self, rows: Sequence[torch.Tensor], grad: torch.Tensor, out: Optional[torch.Tensor], *, step: int,
              lr: float, weight_decay: float, betas: Tuple[float, float], eps: float, coef: float,
-             hi: Optional[torch.Tensor] = None) -> None:
+             hi: Optional[torch.Tensor] = None, seed: Tuple[int, int] = (0, 0), base: int = 0) -> None:
         """One AdamW update of rows (master, exp_avg, exp_avg_sq, each [n] and contiguous: an fp32 master,
         or with hi the int16 remainder whose bf16 weights hi [n] make the fp32 master, both written back;
-        fp32 or bf16 moments) from grad [n] (bf16 or fp32) scaled by coef (clipping; >= 1 leaves it),
-        writing the new weights into out [n] (bf16 or fp32): a buffer of its own, grad itself (read
-        before written; same dtype), or None (with hi, the new weights are hi itself)."""
+        fp32, bf16 or fp8 moments: precision.Blockwise, cut at a block boundary of the chunk, its random
+        bits from seed (chunk, step) and base, the chunk element of element 0) from grad [n] (bf16 or
+        fp32) scaled by coef (clipping; >= 1 leaves it), writing the new weights into out [n] (bf16 or
+        fp32): a buffer of its own, grad itself (read before written; same dtype), or None (with hi,
+        the new weights are hi itself)."""
+        from angelgpt.zero_cache.precision import Blockwise, salt
+
         n = grad.numel()
         master, m, v = rows
-        assert all(r.numel() == n and r.is_contiguous() and not r.is_cuda for r in rows)
-        assert m.dtype in _MOMENTS and v.dtype in _MOMENTS
+        fp8 = [isinstance(r, Blockwise) for r in (m, v)]
+        codes = [r.codes if f else r for r, f in zip((m, v), fp8)]
+        assert all(r.numel() == n and r.is_contiguous() and not r.is_cuda for r in (master, *codes))
+        assert all(f or r.dtype in _MOMENTS for r, f in zip((m, v), fp8))
         assert grad.dtype in (torch.bfloat16, torch.float32) and grad.is_contiguous() and not grad.is_cuda
         flags = _G_BF16 if grad.dtype == torch.bfloat16 else 0
-        flags |= (_M_BF16 if m.dtype == torch.bfloat16 else 0) | (_V_BF16 if v.dtype == torch.bfloat16 else 0)
+        flags |= (_M_FP8 if fp8[0] else _M_BF16 if m.dtype == torch.bfloat16 else 0)
+        flags |= (_V_FP8 if fp8[1] else _V_BF16 if v.dtype == torch.bfloat16 else 0)
         if hi is not None:
             assert master.dtype == torch.int16 and hi.dtype == torch.bfloat16 and hi.numel() == n \
                 and hi.is_contiguous() and not hi.is_cuda and out is None
@@ -131,13 +139,15 @@ class CpuAdam:
         bc1 = 1.0 - betas[0] ** step
         bc2_sqrt = math.sqrt(1.0 - betas[1] ** step)
         scale = 1.0 if coef >= 1.0 else 1.0 / coef  # as torch's grad_scale: the gradient is divided by it
-        self._fn(master.data_ptr(), 0 if hi is None else hi.data_ptr(), m.data_ptr(), v.data_ptr(), grad.data_ptr(),
-                 out.data_ptr() if out is not None and flags >> _OUT_SHIFT & 3 != 3 else 0, flags, n,
-                 1.0 - lr * weight_decay, betas[0], betas[1], lr / bc1, bc2_sqrt, eps, scale, self.threads)
+        scales = [r.scales.data_ptr() if f else 0 for r, f in zip((m, v), fp8)]
+        self._fn(master.data_ptr(), 0 if hi is None else hi.data_ptr(), codes[0].data_ptr(), codes[1].data_ptr(),
+                 grad.data_ptr(), out.data_ptr() if out is not None and flags >> _OUT_SHIFT & 3 != 3 else 0, flags, n,
+                 1.0 - lr * weight_decay, betas[0], betas[1], lr / bc1, bc2_sqrt, eps, scale, self.threads,
+                 scales[0], scales[1], salt((seed[0] * 3 + 1, seed[1])), salt((seed[0] * 3 + 2, seed[1])), base)
 
 
 # cpu_adam.c's flags
-_G_BF16, _OUT_SHIFT, _REM, _M_BF16, _V_BF16 = 1, 1, 8, 16, 32
+_G_BF16, _OUT_SHIFT, _REM, _M_BF16, _V_BF16, _M_FP8, _V_FP8 = 1, 1, 8, 16, 32, 64, 128
 _MOMENTS = (torch.float32, torch.bfloat16)
 
 

@@ -25,7 +25,7 @@ largest. exp_avg_sq keeps its square root so (sqrt(v) spans half the binary orde
 E4M3's 2**18 then covers 2**36 of v). Writes round stochastically: a value between two codes goes to
 the upper with probability its distance from the lower over their gap, so small updates add up in
 expectation instead of rounding away; the random bits are a hash of (chunk, row, step, element), the
-same in every tier and on every device, so a run repeats bit for bit and a resume continues as the
+same in every tier, on every device and in cpu_adam.c, so a run repeats bit for bit and a resume continues as the
 uninterrupted run would. A value already a code times the scale is written exactly: the decoded values
 (E4M3 has 4 significant bits, their squares 8) are exact in bf16, the dtype checkpoints keep them in.
 """
@@ -260,11 +260,15 @@ _MIX = (0x27D4EB2F, 0x165667B1, 0x7FEB352D, 0x2C1B3C6D, 0x297A2D39)
 _M32 = 0xFFFFFFFF
 
 
+def salt(seed: Tuple[int, int]) -> int:
+    """A row's seed (chunk * 3 + row, step) as the 32 bits random_bits starts from (cpu_adam.c too)."""
+    return (seed[0] * _MIX[0] + seed[1] * _MIX[1]) & _M32
+
+
 def random_bits(n: int, base: int, seed: Tuple[int, int], device) -> torch.Tensor:
     """32 random bits (int64) for elements base .. base + n of a row: a hash of (seed, element), the same
-    on every device."""
-    salt = (seed[0] * _MIX[0] + seed[1] * _MIX[1]) & _M32
-    x = (torch.arange(base, base + n, dtype=torch.int64, device=device) * _MIX[2] + salt) & _M32
+    on every device and in cpu_adam.c."""
+    x = (torch.arange(base, base + n, dtype=torch.int64, device=device) * _MIX[2] + salt(seed)) & _M32
     for mul in _MIX[3:]:
         x ^= x >> 16
         x = (x * mul) & _M32

@@ -104,12 +104,12 @@ class Update:
         in the store's format; hi: the slice's bf16 weights where the master row holds remainders). On
         the CPU the one-pass kernel where it was built (every CPU update uses it: placements agree); else
         torch's fused AdamW (fp32 gradient), clipping riding in the kernel (grad_scale divides the
-        gradient), so it costs no extra pass over memory; states not all fp32 (fp8 moments always) are
-        decoded into fp32 rows (store.work) a part at a time and encoded back."""
+        gradient), so it costs no extra pass over memory; states not all fp32 are decoded into fp32 rows
+        (store.work) a part at a time and encoded back."""
         if self.format.fp32:
             return self._fp32_adamw(c, states, grad, hyper, coef)
-        if self.cpu_adam is not None and not grad.is_cuda and not self.format.blockwise:
-            return self._native_adamw(c, states, grad, hyper, coef, hi=hi)
+        if self.cpu_adam is not None and not grad.is_cuda:
+            return self._native_adamw(c, states, grad, hyper, coef, hi=hi, base=base)
         work = self.work["device" if grad.device.type == self.device.type and c.tier == "device" else "host"]
         for a, b in slices(grad.numel(), min(CODEC_SLICE, work.shape[1])):
             rows, w, part = [r[a:b] for r in states], work[:, :b - a], None if hi is None else hi[a:b]
@@ -132,12 +132,13 @@ class Update:
                             lr=lr, beta1=self.betas[0], beta2=self.betas[1],
                             weight_decay=wd, eps=self.eps, amsgrad=False, maximize=False, grad_scale=scale)
 
-    def _native_adamw(self, c: Chunk, states, grad: torch.Tensor, hyper, coef: float, out=None, hi=None) -> None:
+    def _native_adamw(self, c: Chunk, states, grad: torch.Tensor, hyper, coef: float, out=None, hi=None,
+                      base: int = 0) -> None:
         """The one-pass CPU kernel, the new weights into out (its own dtype) unless it is None (with hi:
-        into hi itself)."""
+        into hi itself); `base`: the chunk element the rows' first is (fp8 moments' random bits)."""
         lr, wd = hyper[0 if c.decay else 1]
-        self.cpu_adam.step(states, grad, out, step=int(c.step.item()), lr=lr, weight_decay=wd, betas=self.betas,
-                           eps=self.eps, coef=coef, hi=hi)
+        self.cpu_adam.step(states, grad, out, step=c.step_count, lr=lr, weight_decay=wd, betas=self.betas,
+                           eps=self.eps, coef=coef, hi=hi, seed=(c.index, c.step_count), base=base)
 
     @staticmethod
     def _cut(states, lo: int, hi: int) -> list:
@@ -319,9 +320,8 @@ class Update:
         (model dtype; may be the gradient buffer itself, when that is in the model dtype) unless it is
         None; with remainders hi_weights are the slice's bf16 weights, read and written in place."""
         t0 = time.perf_counter()
-        if self.cpu_adam is not None and not self.format.blockwise:  # one pass: the gradient in (fp32 or
-            # model dtype), model-dtype weights out
-            self._native_adamw(c, states, c.grad[lo:hi], hyper, coef, out, hi=hi_weights)
+        if self.cpu_adam is not None:  # one pass: the gradient in (fp32 or model dtype), model-dtype weights out
+            self._native_adamw(c, states, c.grad[lo:hi], hyper, coef, out, hi=hi_weights, base=lo)
             self.profile.busy("cpu_optimizer", time.perf_counter() - t0)
             return
         grad = self.scratch["host"][:hi - lo]

@@ -102,3 +102,47 @@ def test_load_modes(tmp_path, monkeypatch):
     assert CpuAdam.load("auto") is None  # falls back to torch's AdamW
     with pytest.raises(CpuAdamUnavailable, match="no-such-cc"):
         CpuAdam.load("native")
+
+
+@pytest.mark.parametrize("fmt", [("fp8", "fp8", True), ("fp8", "bf16", False), ("fp32", "fp8", True)])
+def test_fp8_moments_are_precisions_encoding_of_the_fp32_update(adam, fmt):
+    """With an fp8 moment the kernel updates a block at a time: its masters (and weights) are the fp32
+    kernel's from the same decoded moments bit for bit, and its fp8 codes and scales are
+    precision.encode's of that update's moments (the same random bits, the same rounding), over values
+    from 0 through E4M3's subnormal range of a block to its largest, a partial last block and several
+    threads' worth of blocks, the rows starting mid-chunk (`base`)."""
+    from angelgpt.zero_cache.precision import StateFormat, encode, join_master, read_moment, split_master, write_moment
+
+    m_kind, v_kind, remainders = fmt
+    f = StateFormat(remainders, m_kind, v_kind)
+    n = 300_007
+    gen = torch.Generator().manual_seed(3)
+    spread = torch.logspace(-9, 0, n)[torch.randperm(n, generator=gen)]  # magnitudes across a block's range
+    m0, v0 = torch.randn(n, generator=gen) * spread * 1e-3, torch.rand(n, generator=gen) * spread * 1e-6
+    m0[::997] = 0.0
+    grad = (torch.randn(n, generator=gen) * 1e-3).to(torch.bfloat16)
+    master = torch.randn(n, generator=gen)
+    rows = f.rows(torch.zeros(f.nbytes(n), dtype=torch.uint8), n)
+    hi = torch.empty(n, dtype=torch.bfloat16) if remainders else None
+    if remainders:
+        split_master(master, hi, rows[0])
+        master = join_master(hi, rows[0], torch.empty(n))
+    else:
+        rows[0].copy_(master)
+    write_moment(m0, rows[1], seed=(1, 1))
+    write_moment(v0, rows[2], squared=True, seed=(1, 2))
+    ref = torch.stack([master.clone(), read_moment(rows[1], torch.empty(n)),
+                       read_moment(rows[2], torch.empty(n), squared=True)])
+    adam.step(list(ref), grad, None, step=4, coef=1.0, **HYPER)
+    base = 256 * 1000
+    adam.step(rows, grad, None, step=4, coef=1.0, hi=hi, seed=(7, 4), **HYPER, base=base)
+    got = join_master(hi, rows[0], torch.empty(n)) if remainders else rows[0]
+    assert torch.equal(got.view(torch.int32), ref[0].view(torch.int32))
+    expect = f.rows(torch.zeros(f.nbytes(n), dtype=torch.uint8), n)
+    encode(f, ref, expect, torch.empty(n, dtype=torch.bfloat16) if remainders else None, seed=(7, 4), base=base)
+    for k, kind in ((1, m_kind), (2, v_kind)):
+        if kind == "fp8":
+            assert torch.equal(rows[k].codes, expect[k].codes) and torch.equal(rows[k].scales, expect[k].scales), k
+            assert (rows[k].codes.view(torch.float8_e4m3fn).float().abs() < 2 ** -6).any()  # subnormal codes
+        else:
+            assert torch.equal(rows[k], expect[k]), k

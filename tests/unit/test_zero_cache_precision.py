@@ -344,15 +344,16 @@ def test_fp8_moments_keep_codes_exactly_and_round_the_rest_without_bias():
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("cpu_adam", ["native", "torch"])
 @pytest.mark.parametrize("fmt", list(FP8))
-def test_fp8_moments_update_as_the_fp32_path_within_a_code(megatron_single_rank, tmp_path, fmt, layout):
+def test_fp8_moments_update_as_the_fp32_path_within_a_code(megatron_single_rank, tmp_path, fmt, cpu_adam, layout):
     """One step in every tier from the same model and batches: the master equals the fp32 path's bit
     for bit (the first step's moments start at zero, which fp8 keeps exactly) and each moment is the
     fp32 path's rounded to one of its two neighbouring fp8 values; three more steps give losses within
     1e-2 of the fp32 path's."""
     off = ["optim.clip_grad=0"]
-    cfg, model, opt = build(tmp_path, off, name="ref", layout=layout)
-    cfg2, model2, opt2 = build(tmp_path, [*FP8[fmt], *off], name="fp8", layout=layout,
+    cfg, model, opt = build(tmp_path, off, cpu_adam=cpu_adam, name="ref", layout=layout)
+    cfg2, model2, opt2 = build(tmp_path, [*FP8[fmt], *off], cpu_adam=cpu_adam, name="fp8", layout=layout,
                                host=HOST[layout, fmt])
     try:
         assert tiers(opt) == tiers(opt2) == LAYOUTS[layout][1]
