@@ -3,7 +3,8 @@ bf16 weights out into a pinned upload buffer. Compares the one-pass kernel (zero
 with torch's fused AdamW and the two conversions around it ('torch'), and times the kernel on the compact
 states too ('native-compact': the master as the bf16 weight, read and written in place, and an int16
 remainder; bf16 moments: optim.store_param_remainders, optim.exp_avg_dtype and exp_avg_sq_dtype bf16;
-'native-fp8': the same master, fp8 moments, exp_avg_dtype and exp_avg_sq_dtype fp8).
+'native-fp8': the same master, fp8 moments, exp_avg_dtype and exp_avg_sq_dtype fp8; 'torch-fp8': those
+states through torch's codec and fused AdamW, as zero_cache.cpu_adam=torch updates them).
 
     python scripts/bench_cpu_adam.py [--numel 67108864] [--threads N] [--repeats 7] [--out benchmarks/results]
 
@@ -61,7 +62,8 @@ def main() -> int:
     compact = [torch.empty(n, dtype=torch.int16), states["native"][1].to(torch.bfloat16),
                states["native"][2].to(torch.bfloat16)]
     split_master(states["native"][0], weights, compact[0])
-    from angelgpt.zero_cache.precision import StateFormat, write_moment
+    from angelgpt.zero_cache.placement import CODEC_SLICE, slices
+    from angelgpt.zero_cache.precision import StateFormat, decode, encode, write_moment
 
     fp8 = StateFormat(True, "fp8", "fp8")
     fp8_rows = fp8.rows(torch.empty(fp8.nbytes(n), dtype=torch.uint8), n)
@@ -85,6 +87,24 @@ def main() -> int:
     def native_fp8(step):
         kernel.step(fp8_rows, grad, None, step=step, coef=0.5, hi=fp8_weights, seed=(0, step), **hyper)
 
+    fp8_torch = fp8.rows(torch.empty(fp8.nbytes(n), dtype=torch.uint8), n)
+    for dst, src in zip(fp8_torch, fp8_rows):
+        dst.copy_(src)
+    fp8_torch_weights = weights.clone()
+    work = torch.empty(3, CODEC_SLICE)
+
+    def torch_fp8(step):  # update.Update._adamw's torch path, a codec slice at a time
+        for a, b in slices(n, CODEC_SLICE):
+            rows, w = [r[a:b] for r in fp8_torch], work[:, :b - a]
+            decode(fp8, rows, fp8_torch_weights[a:b], w)
+            scratch[a:b].copy_(grad[a:b])
+            step_t.fill_(step)
+            torch._fused_adamw_([w[0]], [scratch[a:b]], [w[1]], [w[2]], [], [step_t], lr=hyper["lr"],
+                                beta1=hyper["betas"][0], beta2=hyper["betas"][1],
+                                weight_decay=hyper["weight_decay"], eps=hyper["eps"], amsgrad=False,
+                                maximize=False, grad_scale=torch.tensor(2.0))
+            encode(fp8, w, rows, fp8_torch_weights[a:b], seed=(0, step), base=a)
+
     def torch_path(step):
         st = states["torch"]
         scratch.copy_(grad)
@@ -94,10 +114,10 @@ def main() -> int:
                             eps=hyper["eps"], amsgrad=False, maximize=False, grad_scale=torch.tensor(2.0))
         out.copy_(st[0])
 
-    times = {"native": [], "torch": [], "native-compact": [], "native-fp8": []}
+    times = {"native": [], "torch": [], "native-compact": [], "native-fp8": [], "torch-fp8": []}
     for step in range(1, args.repeats + 2):  # the first round warms up (page faults, thread start)
         for name, fn in (("native", native), ("torch", torch_path), ("native-compact", native_compact),
-                         ("native-fp8", native_fp8)):
+                         ("native-fp8", native_fp8), ("torch-fp8", torch_fp8)):
             t0 = time.perf_counter()
             fn(step)
             if step > 1:
@@ -112,12 +132,13 @@ def main() -> int:
         "master_max_rel_diff": diff,
         "compact_speedup": statistics.median(times["native"]) / statistics.median(times["native-compact"]),
         "fp8_speedup": statistics.median(times["native"]) / statistics.median(times["native-fp8"]),
+        "torch_fp8_speedup": statistics.median(times["native"]) / statistics.median(times["torch-fp8"]),
         "compact_master_max_rel_diff": ((join_master(weights, compact[0], torch.empty(n)) - states["native"][0]).abs()
                                         .max() / states["native"][0].abs().max()).item(),
     })
     print(f"wrote {write_result(args.out, result, indent=1)}")
     print(json.dumps({k: result[k] for k in ("median_s", "gparams_per_s", "speedup", "master_max_rel_diff",
-                                                      "compact_speedup", "fp8_speedup",
+                                                      "compact_speedup", "fp8_speedup", "torch_fp8_speedup",
                                                       "compact_master_max_rel_diff")}))
     return 0
 
