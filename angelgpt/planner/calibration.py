@@ -36,6 +36,12 @@ CPU_BESIDE_DEVICE_UPDATE = 1.52
 # zero_cache.cpu_adam torch (fp32 gradient scratch, torch's fused AdamW, weights converted back) against
 # the one-pass kernel, same benchmark: 2.09 against 2.81 G params/s (cpu_adam-67108864-static-split.json)
 TORCH_CPU_UPDATE = 0.74
+# fp8 moments (optim.exp_avg_dtype / exp_avg_sq_dtype fp8) on the host, against the fp32 one-pass kernel
+# in the same run (2 CPUs, 2**26 elements, both moments fp8, remainders): the kernel's block path 0.68
+# against 1.44 G params/s, 0.47; torch's codec around fused AdamW (cpu_adam torch) 0.022, 0.015
+# (cpu_adam-67108864.json). Compute-bound there; not yet measured on the H200's host.
+FP8_CPU_UPDATE = 0.47
+TORCH_FP8_CPU_UPDATE = 0.015
 
 # Accumulating in the store, the GPU memory that gradients on their way to the host hold after autograd
 # has let them go (the H2D stream still reads them), which the caching allocator cannot hand out again

@@ -11,13 +11,19 @@ from __future__ import annotations
 
 from angelgpt.config import Config
 from angelgpt.model.flops import flops_per_iteration, recomputed_layers
-from angelgpt.planner.calibration import CPU_BESIDE_DEVICE_UPDATE, DEVICE_UPDATE_PER_PCIE_GBS, TORCH_CPU_UPDATE
+from angelgpt.planner.calibration import (CPU_BESIDE_DEVICE_UPDATE, DEVICE_UPDATE_PER_PCIE_GBS, FP8_CPU_UPDATE,
+                                         TORCH_CPU_UPDATE, TORCH_FP8_CPU_UPDATE)
 from angelgpt.planner.machines import Machine
 
 
-def host_update_rates(hw: Machine, gpus_per_node: int, cpu_adam: str = "auto"):
-    """Parameters/s per GPU of the host update: (CPU alone, CPU beside device updates, device path)."""
-    cpu = hw.cpu_update_gparams * 1e9 / gpus_per_node * (TORCH_CPU_UPDATE if cpu_adam == "torch" else 1.0)
+def host_update_rates(hw: Machine, gpus_per_node: int, cpu_adam: str = "auto", fp8: bool = False):
+    """Parameters/s per GPU of the host update: (CPU alone, CPU beside device updates, device path);
+    fp8: a moment is kept in fp8 (the CPU's rate scaled by what its path measured)."""
+    if fp8:
+        factor = TORCH_FP8_CPU_UPDATE if cpu_adam == "torch" else FP8_CPU_UPDATE
+    else:
+        factor = TORCH_CPU_UPDATE if cpu_adam == "torch" else 1.0
+    cpu = hw.cpu_update_gparams * 1e9 / gpus_per_node * factor
     return cpu, cpu * CPU_BESIDE_DEVICE_UPDATE, hw.pcie_gbs * DEVICE_UPDATE_PER_PCIE_GBS * 1e9
 
 

@@ -51,8 +51,13 @@ def device_update_fraction(cfg: Config, hw: Machine, gpus_per_node: int) -> floa
     frac = cfg.zero_cache.device_update_fraction
     if frac != "auto":
         return float(frac)
-    _, cpu_rate, device_rate = host_update_rates(hw, gpus_per_node, cfg.zero_cache.cpu_adam)
+    _, cpu_rate, device_rate = host_update_rates(hw, gpus_per_node, cfg.zero_cache.cpu_adam, fp8_moments(cfg))
     return round(device_rate / (device_rate + cpu_rate), 2)
+
+
+def fp8_moments(cfg: Config) -> bool:
+    """Is a moment kept in fp8 (the host update's slower path)?"""
+    return "fp8" in (cfg.optim.exp_avg_dtype, cfg.optim.exp_avg_sq_dtype)
 
 
 def states_per_element(cfg: Config, model_bytes: int = MODEL_BYTES):
@@ -141,7 +146,7 @@ def plan_step(cfg: Config, hw: Machine, gpus_per_node: int, nodes: int, rate: fl
     d2h = off_numel * g / (hw.pcie_gbs * 1e9)
     on_device = sum(n for n, s in zip(numels, streamed) if s)  # host chunks the GPU updates
     h2d = (off_numel - on_device) * MODEL_BYTES / (hw.pcie_gbs * 1e9)
-    cpu_alone, cpu_shared, device_rate = host_update_rates(hw, gpus_per_node, zc.cpu_adam)
+    cpu_alone, cpu_shared, device_rate = host_update_rates(hw, gpus_per_node, zc.cpu_adam, fp8_moments(cfg))
     beside = on_device / device_rate  # the device path's time, while the CPU runs at its shared rate
     cpu_work = off_numel - on_device
     cpu = cpu_work / cpu_shared if cpu_work <= cpu_shared * beside else beside + (
