@@ -49,8 +49,8 @@ def parse_case(text: str):
     return parts[0], layers, mb, gb, extra
 
 
-CASE_KEYS = {"model.recompute": "recompute", "zero_cache.prefetch_cache_sub_group_rate": "rate",
-             "zero_cache.device_update_fraction": "devupdate", "zero_cache.cpu_adam": "cpuadam",
+CASE_KEYS = {"model.recompute": "recompute", "model.num_attention_heads": "heads",
+             "zero_cache.prefetch_cache_sub_group_rate": "rate", "zero_cache.device_update_fraction": "devupdate", "zero_cache.cpu_adam": "cpuadam",
              "optim.store_param_remainders": "remainders", "optim.exp_avg_dtype": "expavg",
              "optim.exp_avg_sq_dtype": "expavgsq", "optim.accumulate_grads_in_fp32": "fp32sums"}
 

@@ -2,7 +2,9 @@
 # ZeRO-Cache's compact states at their largest sizes on one H200, beside Megatron's distributed optimizer at
 # its largest (7 layers of the 55 shape) for the speed ratio, in one device call (one result file per case,
 # benchmarks.peers; the report takes ratios only from files of one call):
-#   remainders (16 bytes a parameter with fp32 sums) at 18 layers, remainders and bf16 moments (12) at 23.
+#   remainders (16 bytes a parameter with fp32 sums) at 18 layers, remainders and bf16 moments (12) at 23,
+#   and the 28 preset's shape (26 layers, 128 heads of 128: 28.35B) with remainders, fp8 moments and bf16
+#   sums (8.03 bytes a parameter) at global batch 8.
 #   bash scripts/capacity_runs.sh [ITERS] [WARMUP]     (--force: a case run before gets its next -runN file)
 # Installs any wheels found in .whl/ (scripts/device_wheels.sh).
 set -euo pipefail
@@ -14,4 +16,5 @@ compact=optim.store_param_remainders=true,optim.exp_avg_dtype=bf16,optim.exp_avg
 python3 -m benchmarks.peers run --force --iters "${1:-3}" --warmup "${2:-1}" \
   megatron:7:2:32:model.recompute=none \
   zero_cache:18:2:32:optim.store_param_remainders=true \
-  zero_cache:23:2:32:$compact
+  zero_cache:23:2:32:$compact \
+  zero_cache:26:2:8:model.num_attention_heads=128,model.kv_channels=128,optim.store_param_remainders=true,optim.exp_avg_dtype=fp8,optim.exp_avg_sq_dtype=fp8,optim.accumulate_grads_in_fp32=false

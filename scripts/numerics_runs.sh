@@ -2,7 +2,8 @@
 # The numerics of ZeRO-Cache's state formats on one GPU, in one device call: the corpus (this Python's
 # standard library source) prepared once, a run per format from the same seed and batches (one result
 # file each under OUT, benchmarks.numerics), and the curves side by side (OUT/numerics.svg).
-#   bash scripts/numerics_runs.sh OUT [ITERS] [FORMAT...]     FORMAT: fp32 bf16-moments remainders-bf16-moments
+#   bash scripts/numerics_runs.sh OUT [ITERS] [FORMAT...]
+#     FORMAT: fp32 bf16-moments remainders-bf16-moments fp8-moments remainders-fp8-moments
 # Installs any wheels found in .whl/ (scripts/device_wheels.sh). NUMERICS_DATA: where the prepared corpus is
 # (or goes; default /tmp/numerics-data, lost with the machine: prepare it where it is cheaper, as
 # `python -m benchmarks.numerics prepare --out .numerics-data`, and carry it). A 10-minute call may hold
@@ -24,6 +25,8 @@ for f in ${formats[*]}; do
     fp32) extra=() ;;
     bf16-moments) extra=(optim.exp_avg_dtype=bf16 optim.exp_avg_sq_dtype=bf16) ;;
     remainders-bf16-moments) extra=(optim.store_param_remainders=true optim.exp_avg_dtype=bf16 optim.exp_avg_sq_dtype=bf16) ;;
+    fp8-moments) extra=(optim.exp_avg_dtype=fp8 optim.exp_avg_sq_dtype=fp8) ;;
+    remainders-fp8-moments) extra=(optim.store_param_remainders=true optim.exp_avg_dtype=fp8 optim.exp_avg_sq_dtype=fp8) ;;
     *) echo "numerics_runs.sh: unknown format $f" >&2; exit 2 ;;
   esac
   # its line starts with the result file it wrote (a run again of a format: NAME-runN.json)

@@ -29,6 +29,10 @@ CASES = {
     "zero_cache-compact-states": [ZC, "optim.store_param_remainders=true", "optim.exp_avg_dtype=bf16",
                                   "optim.exp_avg_sq_dtype=bf16", "zero_cache.prefetch_cache_sub_group_rate=0.3",
                                   "zero_cache.device_update_fraction=0.5"],
+    # fp8 moments (E4M3, a scale per 256, stochastic rounding): saved decoded, resumed bit for bit
+    "zero_cache-fp8-states": [ZC, "optim.store_param_remainders=true", "optim.exp_avg_dtype=fp8",
+                              "optim.exp_avg_sq_dtype=fp8", "zero_cache.prefetch_cache_sub_group_rate=0.3",
+                              "zero_cache.device_update_fraction=0.5"],
 }
 
 
