@@ -45,7 +45,7 @@ def launch(cfg, size, config, extra, on_gpu: bool, gpu_here: bool, target, dp: i
     the config, the command and the plan, refuses what does not fit, and runs torchrun. A dry run of a
     GPU job on a machine without a GPU and no target resolves and plans nothing, and says so."""
     from angelgpt.cli import launch
-    from angelgpt.model.flops import num_params
+    from angelgpt.model.flops import format_params, num_params
 
     worker_args = (["--size", size] if size else []) + (["--config", config] if config else []) + extra
     cmd = launch.torchrun_command(rdzv, worker_args)
@@ -56,7 +56,7 @@ def launch(cfg, size, config, extra, on_gpu: bool, gpu_here: bool, target, dp: i
         machine, cfg, planned, resolved = resolve_for(cfg, on_gpu, rdzv.nproc_per_node, rdzv.nnodes, target)
     print(yaml.safe_dump(to_dict(cfg), sort_keys=False).rstrip())
     params = num_params(cfg)
-    print(f"params: {params:,} ({params / 1e9:.3f}B) | world size {rdzv.nproc_per_node * rdzv.nnodes} = "
+    print(f"params: {params:,} ({format_params(params)}) | world size {rdzv.nproc_per_node * rdzv.nnodes} = "
           f"TP {cfg.parallel.tensor_model_parallel_size} x PP {cfg.parallel.pipeline_model_parallel_size} x DP {dp}")
     print(f"torchrun command: {launch.format_command(cmd)}", flush=True)
     if resolved:

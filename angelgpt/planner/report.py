@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Dict
 
+from angelgpt.model.flops import format_params
 from angelgpt.planner.machines import GIB, Machine
 from angelgpt.planner.calibration import MODEL_BYTES
 from angelgpt.planner.memory import activation_bytes, grad_bytes
@@ -40,7 +41,7 @@ def bytes_per_parameter(cfg, world: int) -> str:
 
 def render(cfg, hw: Machine, gpus_per_node: int, nodes: int, plans: Dict[str, SystemPlan], params: int) -> str:
     m = cfg.model
-    lines = [f"model: {params / 1e9:.3f}B parameters ({m.num_layers} x {m.hidden_size}, seq {m.seq_length}), "
+    lines = [f"model: {format_params(params)} parameters ({m.num_layers} x {m.hidden_size}, seq {m.seq_length}), "
              f"micro/global batch {cfg.train.micro_batch_size}/{cfg.train.global_batch_size}, "
              f"TP {cfg.parallel.tensor_model_parallel_size} x PP {cfg.parallel.pipeline_model_parallel_size}",
              f"machine: {nodes} x {gpus_per_node} GPUs ({hw.name}): {hw.gpu_mem_gib:.1f} GiB GPU, "

@@ -114,7 +114,7 @@ class Update:
         for a, b in slices(grad.numel(), min(CODEC_SLICE, work.shape[1])):
             rows, w, part = [r[a:b] for r in states], work[:, :b - a], None if hi is None else hi[a:b]
             decode(self.format, rows, part, w)
-            self._fp32_adamw(c, w, grad[a:b], hyper, coef)
+            self._fused_adamw(c, w, grad[a:b], hyper, coef)
             encode(self.format, w, rows, part, seed=(c.index, c.step_count), base=base + a)
 
     def _fp32_adamw(self, c: Chunk, states, grad: torch.Tensor, hyper, coef: float) -> None:

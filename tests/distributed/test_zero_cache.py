@@ -350,8 +350,9 @@ def test_compact_states_at_dp2_equal_the_fp32_path(tmp_path):
     """Two torchrun ranks, each with its own batches: the master kept as a remainder beside the bf16
     weight and bf16 moments give, on each rank, the fp32 path's masters bit for bit (its moments
     rounded, its weights the masters split) after a step, with resident layers gathered and offloaded
-    layers fetched over DP; losses within 1e-3 for three more steps; and a checkpoint of the compact
-    optimizer loads into an fp32 one at DP 2 with the masters bit for bit."""
+    layers fetched over DP; losses within 1e-3 for three more steps; a checkpoint of the compact
+    optimizer loads into an fp32 one at DP 2 with the masters bit for bit; and one of fp8 moments resumes
+    at DP 2 with the next step's states and loss the saving optimizer's bit for bit."""
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            str(Path(__file__).with_name("zero_cache_precision_check.py")), str(tmp_path)],
@@ -360,7 +361,7 @@ def test_compact_states_at_dp2_equal_the_fp32_path(tmp_path):
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["layouts"]["offloaded"]["first"] != ranks[1]["layouts"]["offloaded"]["first"]  # own batches
     for r in ranks:
-        assert r["checkpoint_masters_equal"], r
+        assert r["checkpoint_masters_equal"] and r["fp8_resume_equal"], r
         for layout, x in r["layouts"].items():
             assert x["owned"] > 0 and x["masters_equal"] and x["moments_rounded"] and x["weights_split"], (layout, x)
             assert x["first"][0] == x["first"][1], x

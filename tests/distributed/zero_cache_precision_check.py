@@ -6,7 +6,8 @@ Per layout of tests/unit/test_zero_cache_precision.py: the fp32 path and the com
 remainder beside the bf16 weight, bf16 moments) from the same model, each rank its own batches; after a
 step, whether each rank's owned masters are equal bit for bit, its moments the fp32 path's rounded and
 its weights the masters split; the losses of three more steps. Then a checkpoint of the compact
-optimizer loaded into a fresh fp32 one: whether the masters came back bit for bit. Writes
+optimizer loaded into a fresh fp32 one: whether the masters came back bit for bit; and one of fp8 moments
+loaded into a fresh fp8 optimizer: whether the next step's states and loss are the saving one's. Writes
 OUT_DIR/rank<r>.json.
 """
 
@@ -24,7 +25,8 @@ import torch.distributed as dist  # noqa: E402
 def main(out: Path) -> None:
     from angelgpt import parallel
     from angelgpt.zero_cache.precision import split_master
-    from tests.unit.test_zero_cache_precision import FORMATS, LAYOUTS, _load, _save, build, states, tiers, train_step
+    from tests.unit.test_zero_cache_precision import (FORMATS, FP8, LAYOUTS, _load, _save, build, states, tiers,
+                                                      train_step)
 
     parallel.initialize(1, 1, on_gpu=False)
     rank = dist.get_rank()
@@ -59,6 +61,20 @@ def main(out: Path) -> None:
             result["checkpoint_masters_equal"] = all(
                 torch.equal(loaded[k][0].view(torch.int32), saved[k][0].view(torch.int32)) for k in saved)
             opt3.close()
+            # fp8 moments at DP 2: saved after a step, loaded into a fresh optimizer, the next step's
+            # states (masters, decoded moments, weights, scales) and loss the saving optimizer's own
+            fp8 = [*FP8["smallest"], *dp2]
+            cfg4, model4, opt4 = build(work, fp8, name="fp8-saved", layout=layout, host=0.004)
+            cfg5, model5, opt5 = build(work, fp8, name="fp8-loaded", layout=layout, host=0.004)
+            train_step(cfg4, model4, opt4, 5 + 100 * rank)
+            _save(model4, opt4, work / "ck-fp8")
+            _load(model5, opt5, work / "ck-fp8")
+            losses = (train_step(cfg4, model4, opt4, 6 + 100 * rank), train_step(cfg5, model5, opt5, 6 + 100 * rank))
+            a, b = states(model4, opt4), states(model5, opt5)
+            result["fp8_resume_equal"] = losses[0] == losses[1] and all(
+                torch.equal(x, y) for k in a for x, y in zip(a[k], b[k]))
+            opt4.close()
+            opt5.close()
         opt.close()
         opt2.close()
     (out / f"rank{rank}.json").write_text(json.dumps(result))
