@@ -3,7 +3,7 @@
 A chunk's states are three rows in one flat byte buffer: the master weight, exp_avg, exp_avg_sq.
 The master row is fp32, or, with optim.store_param_remainders, an int16 remainder that together with
 the bf16 weight (the master's high half, which the model computes with) is the exact fp32 master: 4
-bytes in place of 6. The moments are fp32 or bf16 (optim.exp_avg_dtype, optim.exp_avg_sq_dtype).
+bytes in place of 6. The moments are fp32, bf16 or fp8 (optim.exp_avg_dtype, optim.exp_avg_sq_dtype).
 
 The split of an fp32 master u (its bits) into (weight, remainder): the weight is u's upper 16 bits
 rounded by the remainder's top bit (to nearest, ties away from zero), the remainder u's lower 16
@@ -25,8 +25,8 @@ largest. exp_avg_sq keeps its square root so (sqrt(v) spans half the binary orde
 E4M3's 2**18 then covers 2**36 of v). Writes round stochastically: a value between two codes goes to
 the upper with probability its distance from the lower over their gap, so small updates add up in
 expectation instead of rounding away; the random bits are a hash of (chunk, row, step, element), the
-same in every tier, on every device and in cpu_adam.c, so a run repeats bit for bit and a resume continues as the
-uninterrupted run would. A value already a code times the scale is written exactly: the decoded values
+same in every tier, on every device and in cpu_adam.c, so a run repeats bit for bit and a resume
+continues as the uninterrupted run would. A value already a code times the scale is written exactly: the decoded values
 (E4M3 has 4 significant bits, their squares 8) are exact in bf16, the dtype checkpoints keep them in.
 """
 
@@ -59,17 +59,10 @@ class Blockwise:
     def numel(self) -> int:
         return self.codes.numel()
 
-    @property
-    def device(self) -> torch.device:
-        return self.codes.device
-
     def copy_(self, other: "Blockwise", non_blocking: bool = False) -> "Blockwise":
         self.codes.copy_(other.codes, non_blocking=non_blocking)
         self.scales.copy_(other.scales, non_blocking=non_blocking)
         return self
-
-    def cpu(self) -> "Blockwise":
-        return Blockwise(self.codes.cpu(), self.scales.cpu())
 
 
 @dataclass(frozen=True)
