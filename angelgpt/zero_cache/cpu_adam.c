@@ -155,15 +155,15 @@ static inline uint8_t stochastic_e4m3(float y, uint32_t bits) { /* precision.sto
     return (uint8_t)(code | (u >> 31 << 7));
 }
 
-static inline int block_exponent(float amax) { /* the power of two over which amax is at most 448 */
-    int e;
+static inline int block_exponent(float amax, int kmin) { /* the power of two over which amax is at most */
+    int e;                                                /* 448, at least 2**kmin (precision.MIN_EXPONENT) */
     const float m = frexpf(amax, &e);
     const int k = e - 9 + (m > 0.875f);
-    return k < -126 ? -126 : k > 127 ? 127 : k;
+    return k < kmin ? kmin : k > 127 ? 127 : k;
 }
 
 static void encode_block(const float *restrict x, int n, uint8_t *restrict codes, float *restrict scale,
-                         uint32_t salt, int64_t first) {
+                         uint32_t salt, int64_t first, int kmin) {
     uint32_t top = 0; /* the largest magnitude, by its bits (their order is the values') */
     for (int k = 0; k < n; k++) {
         uint32_t u;
@@ -173,7 +173,7 @@ static void encode_block(const float *restrict x, int n, uint8_t *restrict codes
     }
     float amax;
     memcpy(&amax, &top, 4);
-    const int e = block_exponent(amax);
+    const int e = block_exponent(amax, kmin);
     *scale = ldexpf(1.0f, e);
     const float inv = ldexpf(1.0f, -e); /* exact: x * 2**-e is x / 2**e, rounded alike */
     const uint32_t i0 = (uint32_t)first;
@@ -234,7 +234,7 @@ static inline __attribute__((always_inline)) void run_blocks(const Job *j, const
             if (out_kind == 3 && !gb) g32[i] = w;
         }
         if (m8) {
-            encode_block(mo, n, mc + lo, j->ms + b, j->salt_m, j->base + lo);
+            encode_block(mo, n, mc + lo, j->ms + b, j->salt_m, j->base + lo, -124);
         } else {
             for (int k = 0; k < n; k++) {
                 if (mb) m16[lo + k] = f32_to_bf16(mo[k]);
@@ -243,7 +243,7 @@ static inline __attribute__((always_inline)) void run_blocks(const Job *j, const
         }
         if (v8) {
             for (int k = 0; k < n; k++) vo[k] = sqrtf(vo[k]);
-            encode_block(vo, n, vc + lo, j->vs + b, j->salt_v, j->base + lo);
+            encode_block(vo, n, vc + lo, j->vs + b, j->salt_v, j->base + lo, -57);
         } else {
             for (int k = 0; k < n; k++) {
                 if (vb) v16[lo + k] = f32_to_bf16(vo[k]);

@@ -15,8 +15,9 @@ FP32_STATE_BYTES = STATES * 4  # a chunk element's states, all in fp32
 MOMENT_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1}  # optim.exp_avg_dtype, optim.exp_avg_sq_dtype
 # elements an fp8 moment's scale covers (blockwise: one fp32 power-of-two scale per block of the chunk)
 FP8_BLOCK = 256
-# elements updated at a time: the fp32 gradient scratch and the upload buffers hold one slice
-SLICE = int(os.environ.get("ANGELGPT_ZERO_CACHE_SLICE", 1 << 26))
+# elements updated at a time: the fp32 gradient scratch and the upload buffers hold one slice (whole
+# blocks of fp8 moments: a setting that is not a multiple of FP8_BLOCK is rounded down to one)
+SLICE = max(FP8_BLOCK, int(os.environ.get("ANGELGPT_ZERO_CACHE_SLICE", 1 << 26)) // FP8_BLOCK * FP8_BLOCK)
 # elements a device update buffer holds (two of them: host chunks updated on the device stream through them)
 DEVICE_UPDATE_SLICE = min(SLICE, 1 << 25)
 # most elements of one chunk: a sub-group's parameters of one weight-decay class go into chunks of

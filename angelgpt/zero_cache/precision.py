@@ -42,6 +42,12 @@ from angelgpt.zero_cache.placement import (CODEC_SLICE, FP8_BLOCK, MOMENT_BYTES,
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.uint8}
 E4M3_MAX = 448.0
+# the smallest scale exponent of each fp8 moment, so that every decoded value is exact in bf16 (whose
+# finest step is 2**-133): exp_avg's codes are multiples of 2**-9 of the scale (2**-9 * 2**-124); the
+# second moment is the square of such a code (2**-18 of the scale squared: 2 * -57 - 18 >= -133). A block
+# whose largest value is below 448 times that scale keeps coarser codes: exp_avg below 2**-133 and
+# exp_avg_sq below 2**-132 round stochastically to that or 0
+MIN_EXPONENT = {False: -124, True: -57}  # squared (exp_avg_sq)?
 
 
 class Blockwise:
@@ -53,7 +59,8 @@ class Blockwise:
 
     def __getitem__(self, s: slice) -> "Blockwise":
         lo, hi, _ = s.indices(self.codes.numel())
-        assert lo % FP8_BLOCK == 0, "an fp8 row is cut at block boundaries"
+        if lo % FP8_BLOCK:
+            raise ValueError(f"an fp8 row is cut at block boundaries (multiples of {FP8_BLOCK}), not at {lo}")
         return Blockwise(self.codes[lo:hi], self.scales[lo // FP8_BLOCK:-(-hi // FP8_BLOCK)])
 
     def numel(self) -> int:
@@ -213,6 +220,16 @@ def encode(fmt: StateFormat, work: torch.Tensor, rows: list, hi: Optional[torch.
                          base=base + a)
 
 
+def moment_as_bf16(row, squared: bool = False) -> torch.Tensor:
+    """An fp8 moment's values (exp_avg_sq's squared) as a new host bf16 tensor, which holds them exactly
+    (MIN_EXPONENT), decoded CODEC_SLICE elements at a time."""
+    n = row.numel()
+    out = torch.empty(n, dtype=torch.bfloat16)
+    for a, b in slices(n, CODEC_SLICE):
+        out[a:b].copy_(read_moment(row[a:b], torch.empty(b - a, device=row.codes.device), squared=squared))
+    return out
+
+
 def read_moment(row, out: torch.Tensor, squared: bool = False) -> torch.Tensor:
     """out (fp32) <- a moment row's values (an fp8 exp_avg_sq: the square of what is kept)."""
     if not isinstance(row, Blockwise):
@@ -239,9 +256,9 @@ def write_moment(values: torch.Tensor, row, squared: bool = False, seed: Tuple[i
     padded = x if n == blocks * FP8_BLOCK else torch.nn.functional.pad(x, (0, blocks * FP8_BLOCK - n))
     amax = padded.view(blocks, FP8_BLOCK).abs().amax(1)
     mantissa, exponent = torch.frexp(amax)  # amax = mantissa * 2**exponent, mantissa in [0.5, 1)
-    # the smallest power of two over which amax is at most 448 (1.75 * 2**8), kept normal
-    k = (exponent - 9 + (mantissa > E4M3_MAX / 512).to(exponent.dtype)).clamp_(-126, 127)
-    scales = torch.ldexp(torch.ones_like(amax), k)
+    # the smallest power of two over which amax is at most 448 (1.75 * 2**8), at least MIN_EXPONENT's
+    k = (exponent - 9 + (mantissa > E4M3_MAX / 512).to(exponent.dtype)).clamp_(MIN_EXPONENT[squared], 127)
+    scales = ((k + 127) << 23).view(torch.float32)  # 2**k from its bits (a normal float: exact everywhere)
     row.scales.copy_(scales)
     y = padded.view(blocks, FP8_BLOCK) / scales.unsqueeze(1)
     q = stochastic_e4m3(y.view(-1)[:n], random_bits(n, base, seed, x.device))
@@ -290,5 +307,6 @@ def stochastic_e4m3(y: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     return q.view(torch.float32)
 
 
-__all__ = ["DTYPES", "MOMENT_BYTES", "Blockwise", "StateFormat", "decode", "decoded_master", "encode",
-           "join_master", "random_bits", "read_moment", "split_master", "stochastic_e4m3", "write_moment"]
+__all__ = ["DTYPES", "MIN_EXPONENT", "MOMENT_BYTES", "Blockwise", "StateFormat", "decode", "decoded_master",
+           "encode", "join_master", "moment_as_bf16", "random_bits", "read_moment", "split_master",
+           "stochastic_e4m3", "write_moment"]

@@ -22,8 +22,8 @@ from typing import Optional
 
 import torch
 
-from angelgpt.zero_cache.placement import STATES
-from angelgpt.zero_cache.precision import (Blockwise, StateFormat, join_master, read_moment, split_master,
+from angelgpt.zero_cache.placement import CODEC_SLICE, STATES, slices
+from angelgpt.zero_cache.precision import (Blockwise, StateFormat, join_master, moment_as_bf16, split_master,
                                            write_moment)
 from angelgpt.zero_cache.store import Chunk, Store
 
@@ -85,8 +85,8 @@ class CheckpointState:
                 # loaded into host tensors as the checkpoint keeps them, converted after
                 rows = [torch.empty(c.numel, dtype=dtype) for dtype in saved.checkpoint_dtypes]
             elif self.format.blockwise:  # fp8 moments saved decoded, in bf16 (exact)
-                rows = [read_moment(r, torch.empty(c.numel), squared=k == 2).to(torch.bfloat16)
-                        if isinstance(r, Blockwise) else r for k, r in enumerate(rows)]
+                rows = [moment_as_bf16(r, squared=k == 2) if isinstance(r, Blockwise) else r
+                        for k, r in enumerate(rows)]
             if is_loading:
                 self._loading[id(c)] = rows
             for i, p in enumerate(c.params):
@@ -134,7 +134,9 @@ class CheckpointState:
                 else:
                     dst[0].copy_(master)
                 for k in (1, 2):  # an fp8 moment's values from another format are rounded stochastically
-                    write_moment(rows[k].float(), dst[k], squared=k == 2, seed=(c.index * STATES + k, int(step)))
+                    for a, b in slices(c.numel, CODEC_SLICE):  # (whole blocks: the temporaries stay small)
+                        write_moment(rows[k][a:b].float(), dst[k][a:b], squared=k == 2,
+                                     seed=(c.index * STATES + k, int(step)), base=a)
             c.step.fill_(step)
             c.step_count = int(step)
             if fmt.remainders:

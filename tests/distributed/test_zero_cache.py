@@ -76,11 +76,11 @@ def test_update_equals_torch_adamw(tmp_path, dp, rate, nvme):
 
 
 def test_update_in_slices_equals_torch_adamw(tmp_path):
-    """Chunks updated a slice at a time (here 1000 elements, so slices cut through parameters), on the
+    """Chunks updated a slice at a time (here 1024 elements, so slices cut through parameters), on the
     device tier and on the host tier with offloaded weights, still equal torch AdamW."""
     for rate, offload in ((0.5, "false"), (0.0, "true")):
         ranks = adamw_check(tmp_path, 2, f"zero_cache.prefetch_cache_sub_group_rate={rate}",
-                            f"zero_cache.offload_params={offload}", env_extra={"ANGELGPT_ZERO_CACHE_SLICE": "1000"})
+                            f"zero_cache.offload_params={offload}", env_extra={"ANGELGPT_ZERO_CACHE_SLICE": "1024"})
         for r in ranks:
             assert r["first_update_max_rel_err"] < 1e-6, r
             assert r["three_updates_rel_err"] < 1e-6, r
@@ -116,7 +116,7 @@ def test_host_chunks_updated_on_the_device_equal_torch_adamw(tmp_path, monkeypat
     overrides = ["zero_cache.prefetch_cache_sub_group_rate=0.3", "zero_cache.offload_params=false",
                  f"zero_cache.device_update_fraction={fraction}", "zero_cache.accumulate_in_store=true"]
     ranks = adamw_check(tmp_path, 2, *overrides,
-                        env_extra={"ANGELGPT_ZERO_CACHE_SLICE": "1000", "ANGELGPT_CHECK_MICROBATCHES": "2"})
+                        env_extra={"ANGELGPT_ZERO_CACHE_SLICE": "1024", "ANGELGPT_CHECK_MICROBATCHES": "2"})
     cfg = parse("tiny", overrides=["optim.optimizer=zero_cache", "train.micro_batch_size=2",
                                      "train.global_batch_size=8", *overrides])
     for r in ranks:

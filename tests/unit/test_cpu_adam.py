@@ -120,6 +120,8 @@ def test_fp8_moments_are_precisions_encoding_of_the_fp32_update(adam, fmt):
     spread = torch.logspace(-9, 0, n)[torch.randperm(n, generator=gen)]  # magnitudes across a block's range
     m0, v0 = torch.randn(n, generator=gen) * spread * 1e-3, torch.rand(n, generator=gen) * spread * 1e-6
     m0[::997] = 0.0
+    m0[256 * 3:256 * 4] *= 1e-30  # blocks at the smallest scales (precision.MIN_EXPONENT)
+    v0[256 * 5:256 * 6] *= 1e-24
     grad = (torch.randn(n, generator=gen) * 1e-3).to(torch.bfloat16)
     master = torch.randn(n, generator=gen)
     rows = f.rows(torch.zeros(f.nbytes(n), dtype=torch.uint8), n)

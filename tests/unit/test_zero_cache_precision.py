@@ -334,6 +334,12 @@ def test_fp8_moments_keep_codes_exactly_and_round_the_rest_without_bias():
         got = read_moment(rr, torch.empty(many.numel())).view(400, 256)[:, 1:]
         assert got.unique().numel() == 2
         assert abs(got.double().mean().item() - value) < 0.01 * abs(value), value
+    for tiny, squared in ((1e-37, False), (1e-36, True)):  # blocks at the smallest scale: still exact in bf16
+        small = x.abs() * tiny
+        rt = row(small.numel())
+        write_moment(small, rt, squared=squared, seed=(6, 6))
+        back = read_moment(rt, torch.empty(small.numel()), squared=squared)
+        assert torch.equal(back.to(torch.bfloat16).float(), back) and back.abs().max() > 0
     v = x.square()
     rv = row(v.numel())
     write_moment(v, rv, squared=True, seed=(4, 1))
