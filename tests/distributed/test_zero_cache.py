@@ -110,7 +110,7 @@ def test_accumulating_in_the_store_equals_torch_adamw(tmp_path, dp):
 @pytest.mark.parametrize("fraction", [0.5, 1.0])
 def test_host_chunks_updated_on_the_device_equal_torch_adamw(tmp_path, monkeypatch, fraction):
     """device_update_fraction: that share of the host chunks streams through the device's two update
-    buffers (slices of 1000 elements, so a chunk takes several trips and slices cut through
+    buffers (slices of 1024 elements, so a chunk takes several trips and slices cut through
     parameters) while the CPU updates the rest; with gradients accumulated in the store over DP=2,
     the updates still equal torch AdamW, and the planner predicts the bytes (update buffers included)."""
     overrides = ["zero_cache.prefetch_cache_sub_group_rate=0.3", "zero_cache.offload_params=false",
@@ -128,8 +128,8 @@ def test_host_chunks_updated_on_the_device_equal_torch_adamw(tmp_path, monkeypat
         else:
             assert 0 < r["device_updated"] < r["host_numel"], r
         for module in (placement, importlib.import_module("angelgpt.planner.zero_cache")):  # the workers' slice size
-            monkeypatch.setattr(module, "SLICE", 1000)
-        monkeypatch.setattr(placement, "DEVICE_UPDATE_SLICE", 1000)
+            monkeypatch.setattr(module, "SLICE", 1024)
+        monkeypatch.setattr(placement, "DEVICE_UPDATE_SLICE", 1024)
         predicted = rank_tier_bytes(cfg, 2, r["rank"], 0.3, 1 << 50, False, model_bytes=4, fraction=fraction)[2]
         for tier in ("device", "host"):
             assert r["allocated"][tier] == predicted[tier], (tier, r["allocated"], predicted)
