@@ -72,7 +72,7 @@ def build(tmp_path, fmt=(), cpu_adam="native", name="a", layout="offloaded", hos
         "zero_cache.device_update_fraction=0.5", "zero_cache.accumulate_in_store=false", "model.recompute=none",
         f"zero_cache.cpu_adam={cpu_adam}", f"zero_cache.nvme_path={nvme}", "zero_cache.host_max_gib=0.0025",
         "optim.clip_grad=0.5", *LAYOUTS[layout][0], *fmt, *([f"zero_cache.host_max_gib={host}"] if host else [])])
-    device = torch.device(device)
+    device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device(device)
     cfg, _ = resolve_config(cfg, MACHINES["h200"], 1, 1, on_gpu=device.type == "cuda")
     torch.manual_seed(0)
     model = build_gpt(cfg, on_gpu=False).to(device=device, dtype=dtype)
