@@ -16,7 +16,7 @@
  * root, the gradient divided by the clipping scale); its rounding differs from torch's kernels by ulps.
  *
  * Built at run time by angelgpt/zero_cache/cpu_adam.py:
- *     cc -O3 -march=native -fno-math-errno -fno-trapping-math -shared -fPIC -pthread cpu_adam.c
+ *     cc -O3 -march=native -ffp-contract=off -fno-math-errno -fno-trapping-math -shared -fPIC -pthread cpu_adam.c
  */
 #include <math.h>
 #include <pthread.h>
