@@ -18,8 +18,17 @@ formats=("${@:-fp32 bf16-moments remainders-bf16-moments}")
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export ANGELGPT_BENCH_CALL=${ANGELGPT_BENCH_CALL:-numerics-$(date -u +%Y%m%dT%H%M%SZ)-$$}
 data=${NUMERICS_DATA:-/tmp/numerics-data}
-written=()
+# NUMERICS_CONCURRENT=1: the formats train side by side on the one GPU (the host's cores split between
+# them); NUMERICS_TIME_LIMIT=SECONDS: a run still going then is stopped and its curves so far written.
+concurrent=${NUMERICS_CONCURRENT:-0}
+limit=${NUMERICS_TIME_LIMIT:+--time-limit $NUMERICS_TIME_LIMIT}
 [ -f "$data/manifest.json" ] || python3 -m benchmarks.numerics prepare --out "$data"
+lines=$(mktemp -d)
+if [ "$concurrent" = 1 ]; then
+  n=$(echo ${formats[*]} | wc -w)
+  export OMP_NUM_THREADS=$(( $(nproc) / n > 0 ? $(nproc) / n : 1 ))
+fi
+k=0
 for f in ${formats[*]}; do
   case $f in
     fp32) extra=() ;;
@@ -29,11 +38,18 @@ for f in ${formats[*]}; do
     remainders-fp8-moments) extra=(optim.store_param_remainders=true optim.exp_avg_dtype=fp8 optim.exp_avg_sq_dtype=fp8) ;;
     *) echo "numerics_runs.sh: unknown format $f" >&2; exit 2 ;;
   esac
+  k=$((k + 1))
   # its line starts with the result file it wrote (a run again of a format: NAME-runN.json)
-  line=$(python3 -m benchmarks.numerics run --name "numerics-$f" --data "$data" --iters "$iters" --out "$out" \
-         -- "${extra[@]}" | tail -1) || true
+  one() { python3 -m benchmarks.numerics run --name "numerics-$1" --data "$data" --iters "$iters" --out "$out" \
+          $limit -- "${@:2}" | tail -1 > "$lines/$k" || true; }
+  if [ "$concurrent" = 1 ]; then one "$f" "${extra[@]}" & sleep 5; else one "$f" "${extra[@]}"; fi
+done
+wait
+written=()
+for i in $(seq 1 $k); do
+  line=$(cat "$lines/$i" 2>/dev/null || true)
   echo "$line"
-  [ -f "${line%%: *}" ] && written+=("${line%%: *}")
+  [ -n "$line" ] && [ -f "${line%%: *}" ] && written+=("${line%%: *}")
 done
 # this call's runs in the order given: the first (fp32 by default) is what the others are compared with
 [ ${#written[@]} -gt 0 ] && python3 -m benchmarks.numerics plot "${written[@]}" --out "$out/numerics.svg"

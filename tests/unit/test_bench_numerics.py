@@ -13,12 +13,41 @@ def test_the_corpus_is_the_standard_librarys_source_without_installed_packages(t
 def test_runs_are_compared_with_the_first_and_drawn_one_line_each():
     runs = [{"name": "fp32", "returncode": 0, "val_loss": [[100, 4.0], [200, 3.0]]},
             {"name": "bf16", "returncode": 0, "val_loss": [[100, 4.1], [200, 3.015]]},
-            {"name": "broken", "returncode": 1, "val_loss": []}]
+            {"name": "broken", "returncode": 1, "val_loss": []},
+            {"name": "cut", "returncode": "time limit", "val_loss": [[100, 4.2]]}]
     assert compare(runs) == ["fp32: validation loss 3.0000 at iteration 200, +0.00% against fp32",
                              "bf16: validation loss 3.0150 at iteration 200, +0.50% against fp32",
-                             "broken: no validation loss (exit 1)"]
+                             "broken: no validation loss (exit 1)",
+                             "cut: validation loss 4.2000 at iteration 100, +5.00% against fp32 (stopped: time limit)"]
     drawing = svg({r["name"]: r["val_loss"] for r in runs}, "t")
-    assert drawing.startswith("<svg") and drawing.count("<polyline") == 3 and ">bf16<" in drawing
+    assert drawing.startswith("<svg") and drawing.count("<polyline") == 4 and ">bf16<" in drawing
+
+
+def test_a_run_past_its_time_limit_is_stopped_with_its_children():
+    """_stop ends the run's whole process group (a launcher and the workers it started), not the
+    launcher alone."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from benchmarks.numerics import _stop
+
+    child = "import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); print(p.pid, flush=True); time.sleep(120)"
+    proc = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    grandchild = int(proc.stdout.readline())
+    t0 = time.monotonic()
+    _stop(proc)
+    assert proc.poll() is not None and time.monotonic() - t0 < 30
+    for _ in range(50):  # reaped by init once it died
+        try:
+            os.kill(grandchild, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"process {grandchild} outlived the stop")
 
 
 def test_bad_input_is_one_line_and_exit_2_with_nothing_written(tmp_path, capsys):
