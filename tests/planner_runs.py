@@ -65,7 +65,8 @@ def config_of(run: dict, overrides: Tuple[str, ...] = ()):
     accumulation and rate the planner chose for it (recorded under 'predicted'). A run that recorded its
     given config ('config') ran with the optim.accumulate_grads_in_fp32 it names; the runs before it
     predate that field: Megatron's optimizers added up gradients in fp32 (grad_reduce_in_fp32 on),
-    ZeRO-Cache in bf16."""
+    ZeRO-Cache in bf16. A run that did not record optim.store_param_remainders true or 'auto' kept a
+    separate fp32 master (the default before 'auto')."""
     words = shlex.split(run["command"])
     size = words[words.index("--size") + 1]
     given = [w for w in words if "=" in w and not w.startswith("-")]
@@ -81,7 +82,12 @@ def config_of(run: dict, overrides: Tuple[str, ...] = ()):
     recorded = ((run.get("config") or {}).get("optim") or {}).get("accumulate_grads_in_fp32")
     if recorded is None:  # before the field: fp32 for Megatron's optimizers, the model dtype for ZeRO-Cache
         recorded = cfg.optim.optimizer != "zero_cache"
-    return parse(size, overrides=[*words, f"optim.accumulate_grads_in_fp32={str(bool(recorded)).lower()}"])
+    words.append(f"optim.accumulate_grads_in_fp32={str(bool(recorded)).lower()}")
+    remainders = ((run.get("config") or {}).get("optim") or {}).get("store_param_remainders")
+    if remainders is not True and remainders != "auto" and not any(
+            w.startswith("optim.store_param_remainders=") for w in given):  # before 'auto' was the default: a separate fp32 master
+        words.append("optim.store_param_remainders=false")
+    return parse(size, overrides=words)
 
 
 def gpu_measured_gib(allocated_gib: float) -> float:

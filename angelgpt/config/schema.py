@@ -222,13 +222,14 @@ class OptimConfig:
     DP is fp32 either way). false: gradients add up in the model's dtype (bf16 on GPU): half the
     gradient bytes, but the rounding error grows with the number of micro batches. On CPU the model is
     fp32 and both are the same."""
-    store_param_remainders: bool = False
+    store_param_remainders: Union[bool, str] = "auto"
     """ZeRO-Cache keeps each fp32 master weight as the bf16 weight plus a 16-bit remainder (Megatron's
     and Transformer Engine's name): the exact fp32 master in 4 bytes instead of 6, 2 bytes a parameter
     less. The weight is the master rounded to nearest with ties away from zero (a 16-bit remainder
     cannot undo ties to even), so it differs from the fp32 path's bf16 weight by one bf16 step at
     exact ties only; the master is the same. Only for a bf16 model (a GPU run); Megatron's optimizers
-    refuse it."""
+    refuse it. 'auto' (the default, as Megatron's): on for ZeRO-Cache on a GPU, off otherwise (Megatron's
+    optimizers; a CPU run's fp32 model, whose weight is its master); false keeps a separate fp32 master."""
     exp_avg_dtype: str = "fp32"
     """dtype ZeRO-Cache keeps Adam's first moment in (Megatron's exp_avg_dtype): 'fp32'; 'bf16' (2 bytes
     a parameter less; rounded to nearest on every write); or 'fp8' (3 bytes less: E4M3 with an fp32
@@ -250,7 +251,9 @@ class OptimConfig:
         _require(self.exp_avg_sq_dtype != "bf16" or self.adam_beta2 <= BF16_EXP_AVG_SQ_MAX_BETA2,
                  f"optim.exp_avg_sq_dtype 'bf16' needs optim.adam_beta2 <= {BF16_EXP_AVG_SQ_MAX_BETA2} (a bf16 "
                  f"moment cannot take the smaller decay of beta2 {self.adam_beta2}: it rounds away); use 'fp32'")
-        compact = [k for k, v in (("store_param_remainders", self.store_param_remainders),
+        _require(self.store_param_remainders in (True, False, "auto"),
+                 f"optim.store_param_remainders must be true, false or 'auto', got '{self.store_param_remainders}'")
+        compact = [k for k, v in (("store_param_remainders", self.store_param_remainders is True),
                                   ("exp_avg_dtype", self.exp_avg_dtype != "fp32"),
                                   ("exp_avg_sq_dtype", self.exp_avg_sq_dtype != "fp32")) if v]
         _require(not compact or self.optimizer == "zero_cache",

@@ -61,7 +61,7 @@ from angelgpt.zero_cache.weights import Weights
 # package imports nothing of the planner: the worker resolves, then builds)
 RESOLVED_FIELDS = ("zero_cache.prefetch_cache_sub_group_rate", "zero_cache.offload_params",
                    "zero_cache.device_update_fraction", "zero_cache.accumulate_in_store", "zero_cache.cpu_adam",
-                   "model.recompute")
+                   "model.recompute", "optim.store_param_remainders")
 
 
 def require_resolved(cfg: Config) -> None:

@@ -51,6 +51,8 @@ def resolve_config(cfg: Config, machine: Machine, gpus_per_node: int, nodes: int
     model.transformer_impl: 'local' (transformer-engine only when asked for by name).
     zero_cache.cpu_adam: 'native' where the kernel's C compiler is found ($CC, cc or gcc), else 'torch';
       decided first, as the planner's host update rate depends on it.
+    optim.store_param_remainders: on for ZeRO-Cache on a GPU (a bf16 model), else off; decided before
+      the plan, as it sets the bytes a parameter.
     On GPU, the plan of the configured optimizer for this machine (plan_for) decides:
       model.recompute and model.recompute_num_layers: the fastest choice that fits (else the closest);
       model.activation_offload: with that choice, 'checkpoints' where offloading the recomputed layers'
@@ -71,9 +73,11 @@ def resolve_config(cfg: Config, machine: Machine, gpus_per_node: int, nodes: int
     elif (device == "cuda") != on_gpu:
         raise ConfigError(f"train.device is '{device}' but the config is being resolved for "
                           f"{'a GPU' if on_gpu else 'the CPU'}")
-    zc = cfg.zero_cache
+    zc, o = cfg.zero_cache, cfg.optim
     cpu_adam = zc.cpu_adam if zc.cpu_adam != "auto" else ("native" if _c_compiler() else "torch")
-    cfg = replace(cfg, train=replace(cfg.train, device=device),
+    if o.store_param_remainders == "auto":  # before the plan: it sets the bytes a parameter
+        o = replace(o, store_param_remainders=o.optimizer == "zero_cache" and on_gpu)
+    cfg = replace(cfg, train=replace(cfg.train, device=device), optim=o,
                   model=replace(cfg.model, transformer_impl=_transformer_impl(cfg.model.transformer_impl)),
                   zero_cache=replace(zc, cpu_adam=cpu_adam))
     if cfg.parallel.sequence_parallel and cfg.parallel.tensor_model_parallel_size == 1:

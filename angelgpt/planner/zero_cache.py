@@ -64,7 +64,7 @@ def states_per_element(cfg: Config, model_bytes: int = MODEL_BYTES):
     """(remainders, bytes): whether the masters are kept as remainders beside bf16 weights
     (optim.store_param_remainders, for a 2-byte model) and the bytes a chunk keeps per element."""
     o = cfg.optim
-    remainders = bool(o.store_param_remainders) and model_bytes == 2
+    remainders = o.store_param_remainders in (True, "auto") and model_bytes == 2  # 'auto': on for ZeRO-Cache
     return remainders, state_bytes(remainders, o.exp_avg_dtype, o.exp_avg_sq_dtype)
 
 

@@ -82,7 +82,7 @@ class StateFormat:
     def from_config(cls, optim, model_dtype: torch.dtype) -> "StateFormat":
         """The config's choice; remainders only where the weights are bf16 (an fp32 model's weight is
         its master already)."""
-        return cls(bool(optim.store_param_remainders) and model_dtype == torch.bfloat16,
+        return cls(optim.store_param_remainders is True and model_dtype == torch.bfloat16,
                    optim.exp_avg_dtype, optim.exp_avg_sq_dtype)
 
     @classmethod

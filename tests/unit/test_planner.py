@@ -18,6 +18,7 @@ from tests.planner_runs import RESULTS, config_of
 # the H200 runs that the 55-shape expectations below reproduce added micro batches up in bf16 (before
 # optim.accumulate_grads_in_fp32); in fp32 their sums take 2 more bytes per parameter
 BF16_SUMS = "optim.accumulate_grads_in_fp32=false"
+FP32_MASTERS = "optim.store_param_remainders=false"  # a separate fp32 master, as the runs measured there kept
 
 
 def _angelgpt_runs():
@@ -138,14 +139,14 @@ def test_auto_accumulation_adds_up_in_the_store_only_where_that_fits_or_is_faste
     per step has nothing to accumulate. (The sums in bf16, as in the runs measured there.)"""
     def chosen(layers, gb):
         cfg = parse("h200-16b", overrides=[f"model.num_layers={layers}", "train.micro_batch_size=2",
-                                             f"train.global_batch_size={gb}", BF16_SUMS])
+                                             f"train.global_batch_size={gb}", BF16_SUMS, FP32_MASTERS])
         assert cfg.zero_cache.accumulate_in_store == "auto"
         return plan_for(cfg, MACHINES["h200"])
 
     big = chosen(19, 32)
     assert big.fits and big.accumulate_in_store is True
     off = plan_for(parse("h200-16b", overrides=["model.num_layers=19", "train.micro_batch_size=2",
-                                                  "train.global_batch_size=32", BF16_SUMS,
+                                                  "train.global_batch_size=32", BF16_SUMS, FP32_MASTERS,
                                                   "zero_cache.accumulate_in_store=false"]), MACHINES["h200"])
     assert not off.fits
     assert chosen(8, 32).accumulate_in_store is False
@@ -180,7 +181,7 @@ def test_recompute_auto_keeps_activations_where_they_fit_and_recomputes_where_th
         return parse("h200-16b", overrides=[f"model.num_layers={layers}", "model.recompute=auto",
                                               "train.micro_batch_size=1", "train.global_batch_size=32",
                                               f"optim.optimizer={optimizer}"]
-                       + ([BF16_SUMS] if optimizer == "zero_cache" else []))  # Megatron's ran in fp32
+                       + ([BF16_SUMS, FP32_MASTERS] if optimizer == "zero_cache" else []))  # Megatron's ran in fp32
 
     for optimizer in ("megatron", "zero_cache"):
         p = plan_for(cfg(7, optimizer), MACHINES["h200"])
@@ -200,6 +201,7 @@ def test_recompute_auto_keeps_the_activations_of_the_last_layers_that_fit():
     bf16, as in the runs measured there.)"""
     def cfg(recompute, k=None):
         return parse("h200-16b", overrides=["model.num_layers=19", f"model.recompute={recompute}", BF16_SUMS,
+                                              FP32_MASTERS,
                                               "train.micro_batch_size=2", "train.global_batch_size=32",
                                               "zero_cache.accumulate_in_store=true", "model.activation_offload=none"]
                        + ([f"model.recompute_num_layers={k}"] if k else []))
@@ -260,7 +262,7 @@ def test_where_no_rate_fits_the_plan_is_the_closest_and_says_by_how_much():
     from angelgpt.planner.plan import plan_zero_cache, shortfall
 
     overrides = ["model.num_layers=20", "train.global_batch_size=32", "zero_cache.accumulate_in_store=true",
-                 BF16_SUMS]
+                 BF16_SUMS, FP32_MASTERS]
     cfg, hw = parse("h200-16b", overrides=overrides), MACHINES["h200"]
     auto = auto_plan(cfg, hw)
     assert not auto.fits and 0 < shortfall(auto) < 8 * GIB, auto.margin

@@ -116,7 +116,7 @@ def h200_19_layers():
     activations of the last few layers and adds the micro batches up in the store (in bf16, as the runs
     measured there did: in fp32 their sums take 2 more bytes per parameter)."""
     cfg = parse("h200-16b", overrides=["model.num_layers=19", "model.recompute=auto", "train.micro_batch_size=2",
-                                         "optim.accumulate_grads_in_fp32=false",
+                                         "optim.accumulate_grads_in_fp32=false", "optim.store_param_remainders=false",
                                          "train.global_batch_size=32", "zero_cache.prefetch_cache_sub_group_rate=auto",
                                          "zero_cache.cpu_adam=native"])
     return cfg, plan_for(cfg, H200), resolve_config(cfg, H200, 1, 1, on_gpu=True)

@@ -61,7 +61,8 @@ HOST = {("offloaded", "both"): 0.0021, ("resident", "both"): 0.0026, ("resident"
 def build(tmp_path, fmt=(), cpu_adam="native", name="a", layout="offloaded", host=None, device="cpu",
           dtype=torch.bfloat16, seen=None):
     """The tiny model in bf16 (seed 0) and ZeRO-Cache over every tier: a third of the states on the
-    device, host chunks half updated by the device, the rest on NVMe (LAYOUTS)."""
+    device, host chunks half updated by the device, the rest on NVMe (LAYOUTS); a separate fp32 master
+    unless fmt asks for remainders."""
     from angelgpt.config import parse
     from angelgpt.model.gpt import build_gpt
     from angelgpt.optimizer.zero_cache import ZeroCacheOptimizer
@@ -73,7 +74,7 @@ def build(tmp_path, fmt=(), cpu_adam="native", name="a", layout="offloaded", hos
         "zero_cache.prefetch_cache_sub_group_rate=0.3", "zero_cache.offload_params=true",
         "zero_cache.device_update_fraction=0.5", "zero_cache.accumulate_in_store=false", "model.recompute=none",
         f"zero_cache.cpu_adam={cpu_adam}", f"zero_cache.nvme_path={nvme}", "zero_cache.host_max_gib=0.0025",
-        "optim.clip_grad=0.5", *LAYOUTS[layout][0], *fmt, *([f"zero_cache.host_max_gib={host}"] if host else [])])
+        "optim.clip_grad=0.5", "optim.store_param_remainders=false", *LAYOUTS[layout][0], *fmt, *([f"zero_cache.host_max_gib={host}"] if host else [])])
     device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device(device)
     cfg, _ = resolve_config(cfg, MACHINES["h200"], 1, 1, on_gpu=device.type == "cuda")
     torch.manual_seed(0)
@@ -278,30 +279,31 @@ def test_the_readmes_bytes_per_parameter_are_the_placements():
     root = Path(__file__).resolve().parents[2]
     readme = (root / "README.md").read_text()
     said = lambda x: float(f"{x:.2f}")  # noqa: E731  (the tables give two decimals)
-    rows = re.findall(r"\| (false \(default\)|true) \| (fp32|bf16|fp8)[^|]*\| ([\d.]+) \| ([\d.]+) \|", readme)
+    rows = re.findall(r"\| (false|true)[^|]*\| (fp32|bf16|fp8)[^|]*\| ([\d.]+) \| ([\d.]+) \|", readme)
     assert len(rows) == 4
     for remainders, moments, fp32_sums, bf16_sums in rows:
         states = state_bytes(remainders == "true", moments, moments)
         assert (float(fp32_sums), float(bf16_sums)) == (said(2 + states + 4), said(2 + states + 2))
     inner = (root / "angelgpt" / "zero_cache" / "README.md").read_text()
-    rows = re.findall(r"\| (default|`store_param_remainders: true`|and `exp_avg_dtype`[^|]*) \| [^|]+ \| "
+    rows = re.findall(r"\| (`store_param_remainders: false`|default[^|]*|and `exp_avg_dtype`[^|]*) \| [^|]+ \| "
                       r"(fp32|bf16|fp8) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|", inner)
     assert len(rows) == 4
     for choice, moments, states, fp32_sums, bf16_sums in rows:
-        exact = state_bytes(choice != "default", moments, moments)
+        exact = state_bytes(choice != "`store_param_remainders: false`", moments, moments)
         assert float(states) == said(exact)
         assert (float(fp32_sums), float(bf16_sums)) == (said(2 + exact + 4), said(2 + exact + 2))
 
 
 def test_plan_says_the_bytes_a_parameter_costs():
-    """`angelgpt plan` prints ZeRO-Cache's model states a parameter for the formats chosen: 18 by default
-    with fp32 sums, 16 with remainders, 12 with bf16 moments too, 10 with bf16 sums as well, 8.03 with
-    fp8 moments instead."""
+    """`angelgpt plan` prints ZeRO-Cache's model states a parameter for the formats chosen: 16 by default
+    with fp32 sums (remainders: 'auto' is on for a GPU's bf16 model), 18 with a separate fp32 master, 16
+    with remainders asked for, 12 with bf16 moments too, 10 with bf16 sums as well, 8.03 with fp8
+    moments instead."""
     from angelgpt.config import parse
     from angelgpt.planner.report import bytes_per_parameter
 
     base = ["optim.optimizer=zero_cache", "train.micro_batch_size=2", "train.global_batch_size=32"]
-    for extra, total in (([], 18), (FORMATS["remainders"], 16), (FORMATS["both"], 12),
+    for extra, total in (([], 16), (["optim.store_param_remainders=false"], 18), (FORMATS["remainders"], 16), (FORMATS["both"], 12),
                          ([*FORMATS["both"], "optim.accumulate_grads_in_fp32=false"], 10),
                          ([*FP8["smallest"], "optim.accumulate_grads_in_fp32=false"], 8.03)):
         line = bytes_per_parameter(parse("h200-16b", overrides=[*base, *extra]), world=1)
