@@ -6,6 +6,8 @@
 #   and the 28 preset's shape (26 layers, 128 heads of 128: 28.35B) with remainders, fp8 moments and bf16
 #   sums (8.03 bytes a parameter) at global batch 8.
 #   bash scripts/capacity_runs.sh [ITERS] [WARMUP]     (--force: a case run before gets its next -runN file)
+# The 28 shape runs second: a 10-minute call may not reach the last cases (ANGELGPT_BENCH_OUT: where the
+# result files go).
 # Installs any wheels found in .whl/ (scripts/device_wheels.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,6 +17,6 @@ export ANGELGPT_BENCH_CALL=${ANGELGPT_BENCH_CALL:-capacity-$(date -u +%Y%m%dT%H%
 compact=optim.store_param_remainders=true,optim.exp_avg_dtype=bf16,optim.exp_avg_sq_dtype=bf16
 python3 -m benchmarks.peers run --force --iters "${1:-3}" --warmup "${2:-1}" \
   megatron:7:2:32:model.recompute=none \
+  zero_cache:26:2:8:model.num_attention_heads=128,model.kv_channels=128,optim.store_param_remainders=true,optim.exp_avg_dtype=fp8,optim.exp_avg_sq_dtype=fp8,optim.accumulate_grads_in_fp32=false \
   zero_cache:18:2:32:optim.store_param_remainders=true \
-  zero_cache:23:2:32:$compact \
-  zero_cache:26:2:8:model.num_attention_heads=128,model.kv_channels=128,optim.store_param_remainders=true,optim.exp_avg_dtype=fp8,optim.exp_avg_sq_dtype=fp8,optim.accumulate_grads_in_fp32=false
+  zero_cache:23:2:32:$compact

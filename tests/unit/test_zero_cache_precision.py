@@ -4,6 +4,8 @@ tier (device, host, host updated by the device, NVMe, offloaded layers' weights)
 for bit, bf16 moments (optim.exp_avg_dtype, exp_avg_sq_dtype) are the fp32 path's rounded, checkpoints
 load across formats, and the placement counts the bytes the store allocates."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -155,25 +157,12 @@ def test_compact_states_update_as_the_fp32_path_does(megatron_single_rank, tmp_p
 
 
 def compare_formats(tmp_path, fmt, cpu_adam, layout, device, min_same=1.0):
-    """The comparison above on `device`. Clipping is off, so each element's update depends on its own
-    gradient alone: a parameter is compared bit for bit where both runs' backward passes gave it the
-    same gradients (every one on a CPU; a GPU's atomics may add an embedding's rows in another order),
-    at least `min_same` of the parameters."""
+    """The comparison above on `device` (beside_fp32 says which parameters are compared bit for bit)."""
     from angelgpt.zero_cache.precision import split_master
 
-    seen, seen2 = {}, {}
-    off = ["optim.clip_grad=0"]
-    cfg, model, opt = build(tmp_path, off, cpu_adam=cpu_adam, name="ref", layout=layout, device=device, seen=seen)
-    cfg2, model2, opt2 = build(tmp_path, [*FORMATS[fmt], *off], cpu_adam=cpu_adam, name="compact", layout=layout,
-                               host=HOST.get((layout, fmt)), device=device, seen=seen2)
-    try:
-        assert tiers(opt) == tiers(opt2) == LAYOUTS[layout][1]
-        assert updaters(model, opt) == updaters(model2, opt2)
-        assert train_step(cfg, model, opt, 1) == train_step(cfg2, model2, opt2, 1)
-        ref, got = states(model, opt), states(model2, opt2)
+    with beside_fp32(tmp_path, FORMATS[fmt], HOST.get((layout, fmt)), cpu_adam, layout, device,
+                     min_same) as (ref, got, same, more):
         remainders, bf16 = fmt != "bf16-moments", fmt != "remainders"
-        same = [k for k in ref if all(torch.equal(a, b) for a, b in zip(seen[k], seen2[k]))]
-        assert len(same) >= min_same * len(ref), sorted(set(ref) - set(same))
         for k in same:
             master, m, v, w = ref[k]
             master2, m2, v2, w2 = got[k]
@@ -186,8 +175,37 @@ def compare_formats(tmp_path, fmt, cpu_adam, layout, device, min_same=1.0):
                 assert torch.equal(w2, hi), k
             else:
                 assert torch.equal(w2, w), k
-        losses = [(train_step(cfg, model, opt, s), train_step(cfg2, model2, opt2, s)) for s in (2, 3, 4)]
+        losses = more((2, 3, 4))
         assert all(abs(a - b) <= 1e-3 * abs(a) for a, b in losses), losses
+
+
+@contextlib.contextmanager
+def beside_fp32(tmp_path, overrides, host, cpu_adam, layout, device, min_same):
+    """Two runs from the same model and batches, the fp32 path's and one with `overrides` (its host
+    budget `host`), clipping off so each element's update depends on its own gradient alone, placed
+    alike: the layout's tiers, each parameter updated on the same processor in both. After one step of
+    each (equal losses) yields (ref, got, same, more): their states (`states`), the parameters whose
+    gradients were equal in both runs (every one on a CPU; a GPU's atomics may add an embedding's rows
+    in another order; at least `min_same` of them), and more(seeds) -> the two runs' losses of more
+    steps."""
+    seen, seen2 = {}, {}
+    off = ["optim.clip_grad=0"]
+    cfg, model, opt = build(tmp_path, off, cpu_adam=cpu_adam, name="ref", layout=layout, device=device, seen=seen)
+    try:
+        cfg2, model2, opt2 = build(tmp_path, [*overrides, *off], cpu_adam=cpu_adam, name="other", layout=layout,
+                                   host=host, device=device, seen=seen2)
+    except BaseException:
+        opt.close()
+        raise
+    try:
+        assert tiers(opt) == tiers(opt2) == LAYOUTS[layout][1]
+        assert updaters(model, opt) == updaters(model2, opt2)
+        assert train_step(cfg, model, opt, 1) == train_step(cfg2, model2, opt2, 1)
+        ref, got = states(model, opt), states(model2, opt2)
+        same = [k for k in ref if all(torch.equal(a, b) for a, b in zip(seen[k], seen2[k]))]
+        assert len(same) >= min_same * len(ref), sorted(set(ref) - set(same))
+        yield ref, got, same, lambda seeds: [(train_step(cfg, model, opt, s), train_step(cfg2, model2, opt2, s))
+                                              for s in seeds]
     finally:
         opt.close()
         opt2.close()
@@ -375,21 +393,9 @@ def test_fp8_moments_update_as_the_fp32_path_within_a_code(megatron_single_rank,
 
 
 def fp8_against_fp32(tmp_path, fmt, cpu_adam, layout, device, min_same=1.0):
-    """The comparison above on `device`, bit for bit where both runs' backward passes gave a parameter
-    the same gradients (at least `min_same` of them; compare_formats says why)."""
-    seen, seen2 = {}, {}
-    off = ["optim.clip_grad=0"]
-    cfg, model, opt = build(tmp_path, off, cpu_adam=cpu_adam, name="ref", layout=layout, device=device, seen=seen)
-    cfg2, model2, opt2 = build(tmp_path, [*FP8[fmt], *off], cpu_adam=cpu_adam, name="fp8", layout=layout,
-                               host=HOST[layout, fmt], device=device, seen=seen2)
-    try:
-        assert tiers(opt) == tiers(opt2) == LAYOUTS[layout][1]
-        assert updaters(model, opt) == updaters(model2, opt2)
-        assert train_step(cfg, model, opt, 1) == train_step(cfg2, model2, opt2, 1)
-        ref, got = states(model, opt), states(model2, opt2)
-        names = [k for k in ref if not k.endswith(".scales")]
-        same = [k for k in names if all(torch.equal(a, b) for a, b in zip(seen[k], seen2[k]))]
-        assert len(same) >= min_same * len(names), sorted(set(names) - set(same))
+    """The comparison above on `device` (beside_fp32 says which parameters are compared bit for bit)."""
+    with beside_fp32(tmp_path, FP8[fmt], HOST[layout, fmt], cpu_adam, layout, device,
+                     min_same) as (ref, got, same, more):
         for k in same:
             master, m, v, _ = ref[k]
             master2, m2, v2, _ = got[k]
@@ -401,8 +407,5 @@ def fp8_against_fp32(tmp_path, fmt, cpu_adam, layout, device, min_same=1.0):
             m, v = m.cpu(), v.cpu()
             assert torch.all((m2.float() - m).abs() <= m.abs() / 8 + step_m), k
             assert torch.all((v2.float().sqrt() - v.sqrt()).abs() <= v.sqrt() / 8 + step_v), k
-        losses = [(train_step(cfg, model, opt, s), train_step(cfg2, model2, opt2, s)) for s in (2, 3, 4)]
+        losses = more((2, 3, 4))
         assert all(abs(a - b) <= 1e-2 * abs(a) for a, b in losses), losses
-    finally:
-        opt.close()
-        opt2.close()
