@@ -38,7 +38,7 @@ def test_zero_cache_checkpoint_resumes_on_gpu(tmp_path, save):
         return read_metrics(metrics)
 
     spread = ["zero_cache.prefetch_cache_sub_group_rate=0.3", f"zero_cache.nvme_path={tmp_path / 'nvme'}",
-              "zero_cache.host_max_gib=0.0018"]
+              "zero_cache.host_max_gib=0.0021"]
     full = train("full", *spread)
     ck = tmp_path / "ck"
     first = train("first", *spread, "train.exit_interval=10", f"checkpoint.save={ck}", *save)
