@@ -29,7 +29,9 @@ from benchmarks.systems import LABEL, SYSTEMS
 TEMPLATE = Path(__file__).resolve().parent / "BENCHMARKS.md.template"
 NOTABLE = ("model.recompute", "zero_cache.prefetch_cache_sub_group_rate", "optim.offload_fraction",
            "zero_cache.accumulate_in_store", "zero_cache.offload_params", "zero_cache.device_update_fraction",
-           "zero_cache.nvme_path", "zero_cache.cpu_adam", "optim.accumulate_grads_in_fp32")
+           "zero_cache.nvme_path", "zero_cache.cpu_adam", "optim.accumulate_grads_in_fp32",
+           "optim.store_param_remainders", "optim.exp_avg_dtype", "optim.exp_avg_sq_dtype",
+           "model.num_attention_heads", "model.kv_channels")
 
 # commit da83288 made optim.accumulate_grads_in_fp32 (true) the default; ZeRO-Cache's runs before it added up
 # micro batches' gradients in bf16, Megatron's optimizers always in fp32 (grad_reduce_in_fp32)
@@ -90,12 +92,27 @@ def row(f: Path, r: dict) -> dict:
                 oom_kind=r.get("oom_kind"), refused=r.get("refused"), commit=r.get("commit", "")[:10],
                 date=r.get("date", ""), call=r.get("call") or "unknown", step_ms=r.get("elapsed_ms_median"),
                 profile={k: statistics.median(p[k] for p in profiles) for k in profiles[0]} if profiles else None,
-                settings=settings(r), sums=sums(r, system, mb, gb))
+                settings=settings(r), sums=sums(r, system, mb, gb), moments=moments(r),
+                shape=[w for w in r.get("command", "").split() if w.startswith("model.") and "=" in w
+                       and not w.startswith("model.num_layers=")])
+
+
+def moments(r: dict) -> str:
+    """The dtype of Adam's moments a run kept: 'fp32' (the default, and every run before the option), or
+    its optim.exp_avg_dtype / exp_avg_sq_dtype ('bf16', 'fp8'; 'bf16/fp8' where they differ)."""
+    optim = (r.get("config") or {}).get("optim") or {}
+    kept = {optim.get("exp_avg_dtype") or "fp32", optim.get("exp_avg_sq_dtype") or "fp32"}
+    return "/".join(sorted(kept))
 
 
 def current(r) -> bool:
-    """Whether a run trained as the default trains now (not with bf16 sums)."""
-    return r["sums"] != "bf16"
+    """Whether a run trained as the default trains now (not with bf16 sums, nor compact moments)."""
+    return r["sums"] != "bf16" and r["moments"] == "fp32"
+
+
+def opt_out_run(r) -> bool:
+    """A run of the bf16-sum opt-out (fp32 moments)."""
+    return r["sums"] == "bf16" and r["moments"] == "fp32"
 
 
 def pick(xs, ys, figure):
@@ -137,7 +154,8 @@ def goals(rows, best, best_any, opt_out) -> list:
 
     def ok(system, layers=None, gb=None, speed=False, default=True):
         return [r for r in rows if r["system"] == system and r["ok"] and (layers is None or r["layers"] == layers)
-                and (gb is None or r["gb"] == gb) and (r["tflops"] if speed else True) and current(r) == default]
+                and (gb is None or r["gb"] == gb) and (r["tflops"] if speed else True)
+                and (current(r) if default else opt_out_run(r))]
 
     def speed(kind, target, xs, ys, **about):
         x, y = pick(xs, ys, lambda r: r["tflops"]) if xs and ys else (None, None)
@@ -193,7 +211,7 @@ def largest(rows, best, best_any, opt_out) -> list:
         if best_any[system] is not b:
             entry(system, "global batch", best_any[system], current)
         if system in opt_out:
-            entry(system, "opt-out", opt_out[system], lambda r: not current(r))
+            entry(system, "opt-out", opt_out[system], opt_out_run)
     return out
 
 
@@ -236,31 +254,40 @@ def generate(results: Path):
 
     cases = runs_by_case(results)
     peers = {c: runs for c, runs in cases.items() if c.startswith("peers-")}
-    rows, earlier = [], []
+    rows, earlier, counted = [], [], []
     for case in sorted(peers):
-        *older, newest = peers[case]
-        rows.append(row(*newest))
-        earlier += [(row(*run), newest[0].name) for run in older]
-    for r in rows + [e for e, _ in earlier]:
-        r["params"] = num_params(parse("h200-16b", overrides=[f"model.num_layers={r['layers']}"]))
+        runs = [row(*run) for run in peers[case]]  # oldest first
+        rows.append(runs[-1])
+        earlier += [(r, runs[-1]["file"]) for r in runs[:-1]]
+        # the sizes and goals count a case by its newest run that completed its steps (3 at least)
+        counted.append(next((r for r in reversed(runs) if r["ok"]), runs[-1]))
+    for r in rows + [e for e, _ in earlier]:  # the case's own shape where it changed more than the layers
+        r["params"] = num_params(parse("h200-16b", overrides=[*r["shape"], f"model.num_layers={r['layers']}"]))
+    text, best = _text(rows, earlier, counted, cases)
+    at = {(r["system"], r["layers"]): max((x["tflops"] for x in counted if x["system"] == r["system"] and current(x)
+                                            and x["layers"] == r["layers"] and x["ok"] and x["tflops"]), default=0)
+          for r in counted}
+    return text, (best, at, counted)
+
+
+def _text(rows, earlier, counted, cases):
+    """BENCHMARKS.md's text and each system's largest at the peers' global batch: the tables of `rows` (each
+    case's newest run) and `earlier`, the sizes and goals of `counted` (each case's newest complete run)."""
     # each system's largest completed size as it trains by default: at the global batch of Megatron's largest
     # (every peer's), else at any; ZeRO-Cache's largest at any global batch and with bf16 sums beside it
-    done = [r for r in rows if r["ok"]]
+    done = [r for r in counted if r["ok"]]
     largest_of = lambda sys_, keep: max((r for r in done if r["system"] == sys_ and keep(r)),  # noqa: E731
                                         key=lambda r: (r["layers"], r["gb"]), default=None)
     best_any = {s: b for s in SYSTEMS if (b := largest_of(s, current))}
     a = best_any.get("megatron")
     best = {s: largest_of(s, lambda r: current(r) and a and r["gb"] == a["gb"]) or b for s, b in best_any.items()}
-    opt_out = {s: b for s in SYSTEMS if (b := largest_of(s, lambda r: not current(r)))}
+    opt_out = {s: b for s in SYSTEMS if (b := largest_of(s, opt_out_run))}
     order = lambda r: (r["system"], r["layers"], r["gb"])  # noqa: E731
     text = render(runs=sorted(rows, key=order), earlier=sorted(earlier, key=lambda e: order(e[0])),
-                  largest=largest(rows, best, best_any, opt_out), goals=goals(rows, best, best_any, opt_out),
+                  largest=largest(counted, best, best_any, opt_out), goals=goals(counted, best, best_any, opt_out),
                   profiled=sorted((r for r in rows if r["profile"]), key=lambda r: (r["layers"], r["gb"])),
                   f=Figures(cases), label=LABEL, systems=SYSTEMS)
-    at = {(r["system"], r["layers"]): max((x["tflops"] for x in rows if x["system"] == r["system"] and current(x)
-                                            and x["layers"] == r["layers"] and x["ok"] and x["tflops"]), default=0)
-          for r in rows}
-    return text, (best, at, rows)
+    return text, best
 
 
 def chart(path: Path, best, at, rows) -> bool:

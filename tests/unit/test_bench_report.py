@@ -156,3 +156,30 @@ def test_one_call_on_two_machines_is_not_the_same_call():
     assert same_call(a, dict(a, machine=dict(a["machine"], boot_id="2"))) == "different calls"
     assert same_call(a, dict(a, call="d")) == "different calls"
     assert same_call(a, {"machine": a["machine"]}) == "call unknown"
+
+
+def test_a_newer_run_short_of_3_steps_leaves_the_goals_to_the_complete_run(tmp_path):
+    """A case run again for fewer than 3 steps is listed as the newest run, but the sizes and goals keep
+    the case's newest run that completed them (here the same-call pair of run2's), and the next size up
+    that ran short says how many steps it made."""
+    results = tmp_path / "results"
+    results.mkdir()
+    for case in (A7, D7):
+        shutil.copy(RESULTS / f"{case}.json", results)
+    rerun(results, A7, "call-1")
+    rerun(results, D7, "call-1")
+    short = json.loads((results / f"{A7}-run2.json").read_text())
+    short.update(date="2099-02-01T00:00:00Z", call="call-2", records=short["records"][:2])
+    (results / f"{A7}-run3.json").write_text(json.dumps(short))
+    text, _ = generate(results)
+    line = next(x for x in text.splitlines() if x.startswith("| speed: (d) / (a) at (a)'s largest measured size"))
+    assert line.endswith(f"| met | `{D7}-run2.json` / `{A7}-run2.json` | same call |"), line
+    assert f"| call-2 | `{A7}-run3.json` |" in text  # the newest run, in the runs table
+
+
+def test_a_case_that_changes_the_shape_counts_its_own_parameters():
+    """The 28 preset's shape (128 heads of 128 where the 55's has 64) at 26 layers: 28.35B, not the
+    55-shape count of 26 layers."""
+    text, _ = generate(RESULTS)
+    line = next(x for x in text.splitlines() if "`peers-zero_cache-L26-mb2-gb8-heads128-" in x)
+    assert line.split(" | ")[2] == "28.35B", line
