@@ -7,7 +7,7 @@
 # Installs any wheels found in .whl/ (scripts/device_wheels.sh). NUMERICS_DATA: where the prepared corpus is
 # (or goes; default /tmp/numerics-data, lost with the machine: prepare it where it is cheaper, as
 # `python -m benchmarks.numerics prepare --out .numerics-data`, and carry it). A 10-minute call may hold
-# one or two formats at 2000 iterations: name them.
+# one or two formats at 2000 iterations run one after another, three side by side (NUMERICS_CONCURRENT=1).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: numerics_runs.sh OUT [ITERS] [FORMAT...]}
@@ -28,6 +28,10 @@ if [ "$concurrent" = 1 ]; then
   n=$(echo ${formats[*]} | wc -w)
   export OMP_NUM_THREADS=$(( $(nproc) / n > 0 ? $(nproc) / n : 1 ))
 fi
+# one FORMAT LINE_FILE OVERRIDES...: a run; its last line (the result file it wrote, then the comparison;
+# a run again of a format: NAME-runN.json) into LINE_FILE
+one() { python3 -m benchmarks.numerics run --name "numerics-$1" --data "$data" --iters "$iters" --out "$out" \
+        $limit -- "${@:3}" | tail -1 > "$2" || true; }
 k=0
 for f in ${formats[*]}; do
   case $f in
@@ -39,10 +43,7 @@ for f in ${formats[*]}; do
     *) echo "numerics_runs.sh: unknown format $f" >&2; exit 2 ;;
   esac
   k=$((k + 1))
-  # its line starts with the result file it wrote (a run again of a format: NAME-runN.json)
-  one() { python3 -m benchmarks.numerics run --name "numerics-$1" --data "$data" --iters "$iters" --out "$out" \
-          $limit -- "${@:2}" | tail -1 > "$lines/$k" || true; }
-  if [ "$concurrent" = 1 ]; then one "$f" "${extra[@]}" & sleep 5; else one "$f" "${extra[@]}"; fi
+  if [ "$concurrent" = 1 ]; then one "$f" "$lines/$k" "${extra[@]}" & sleep 5; else one "$f" "$lines/$k" "${extra[@]}"; fi
 done
 wait
 written=()

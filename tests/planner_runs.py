@@ -79,14 +79,14 @@ def config_of(run: dict, overrides: Tuple[str, ...] = ()):
             settled.append(f"zero_cache.prefetch_cache_sub_group_rate={chosen['rate']}")
     words = [*given, *settled, "model.activation_offload=none", *overrides]
     cfg = parse(size, overrides=words)
-    recorded = ((run.get("config") or {}).get("optim") or {}).get("accumulate_grads_in_fp32")
+    optim = (run.get("config") or {}).get("optim") or {}  # what the run recorded it was given
+    recorded = optim.get("accumulate_grads_in_fp32")
     if recorded is None:  # before the field: fp32 for Megatron's optimizers, the model dtype for ZeRO-Cache
         recorded = cfg.optim.optimizer != "zero_cache"
     words.append(f"optim.accumulate_grads_in_fp32={str(bool(recorded)).lower()}")
-    remainders = ((run.get("config") or {}).get("optim") or {}).get("store_param_remainders")
-    if remainders is not True and remainders != "auto" and not any(
-            w.startswith("optim.store_param_remainders=") for w in given):  # before 'auto' was the default: a separate fp32 master
-        words.append("optim.store_param_remainders=false")
+    remainders = optim.get("store_param_remainders")
+    if remainders not in (True, "auto") and not any(w.startswith("optim.store_param_remainders=") for w in given):
+        words.append("optim.store_param_remainders=false")  # before 'auto' was the default: a separate fp32 master
     return parse(size, overrides=words)
 
 

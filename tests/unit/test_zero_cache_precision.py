@@ -76,7 +76,8 @@ def build(tmp_path, fmt=(), cpu_adam="native", name="a", layout="offloaded", hos
         "zero_cache.prefetch_cache_sub_group_rate=0.3", "zero_cache.offload_params=true",
         "zero_cache.device_update_fraction=0.5", "zero_cache.accumulate_in_store=false", "model.recompute=none",
         f"zero_cache.cpu_adam={cpu_adam}", f"zero_cache.nvme_path={nvme}", "zero_cache.host_max_gib=0.0025",
-        "optim.clip_grad=0.5", "optim.store_param_remainders=false", *LAYOUTS[layout][0], *fmt, *([f"zero_cache.host_max_gib={host}"] if host else [])])
+        "optim.clip_grad=0.5", "optim.store_param_remainders=false", *LAYOUTS[layout][0], *fmt,
+        *([f"zero_cache.host_max_gib={host}"] if host else [])])
     device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device(device)
     cfg, _ = resolve_config(cfg, MACHINES["h200"], 1, 1, on_gpu=device.type == "cuda")
     torch.manual_seed(0)
@@ -321,7 +322,8 @@ def test_plan_says_the_bytes_a_parameter_costs():
     from angelgpt.planner.report import bytes_per_parameter
 
     base = ["optim.optimizer=zero_cache", "train.micro_batch_size=2", "train.global_batch_size=32"]
-    for extra, total in (([], 16), (["optim.store_param_remainders=false"], 18), (FORMATS["remainders"], 16), (FORMATS["both"], 12),
+    for extra, total in (([], 16), (["optim.store_param_remainders=false"], 18), (FORMATS["remainders"], 16),
+                         (FORMATS["both"], 12),
                          ([*FORMATS["both"], "optim.accumulate_grads_in_fp32=false"], 10),
                          ([*FP8["smallest"], "optim.accumulate_grads_in_fp32=false"], 8.03)):
         line = bytes_per_parameter(parse("h200-16b", overrides=[*base, *extra]), world=1)
