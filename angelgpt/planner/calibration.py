@@ -21,6 +21,14 @@ HOST_PROCESS = int(1.8 * GIB)
 # assumed the same elsewhere)
 PCIE_DUPLEX_SHARE = 97.1 / (2 * 55.3)
 
+# Accumulating in the store (zero_cache.accumulate_in_store), the share of a micro batch's backward that
+# the host sums' round trips hide behind: a sub-group's trip starts only once backward has produced its
+# gradients, and a slot is waited for before the next one is filled. Fitted to 16 layers of the 55 shape
+# with fp32 sums, 16 micro batches, trips (0.64 s) longer than the backward (0.56 s): measured 16.78 s a
+# step (peers-zero_cache-L16-mb2-gb32-recomputeauto.json). With bf16 sums the trips hide whole (19 layers,
+# 16 micro batches: peers-zero_cache-L19-mb2-gb32.json, the step 2.6 s over compute, 2.0 s of it the update).
+IN_STORE_TRIP_HIDDEN = 0.72
+
 # ZeRO-Cache's host update with device_update_fraction, measured on the H200 in training (11 and 19 layers
 # of the 55 shape, 1.9B and 8.9B host-resident parameters, 45% and 56% of them updated on the GPU, the
 # one-pass CPU AdamW): the device path ran 2.2-2.7 G params/s (26 bytes a parameter over PCIe, both

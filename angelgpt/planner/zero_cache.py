@@ -19,8 +19,8 @@ from dataclasses import replace
 
 from angelgpt.config import Config
 from angelgpt.model.flops import recomputed_layers
-from angelgpt.planner.calibration import (CUDA_CONTEXT, GIB, HOST_PROCESS, MODEL_BYTES, PCIE_DUPLEX_SHARE,
-                                          STREAM_HELD_LAYERS, WORKSPACE)
+from angelgpt.planner.calibration import (CUDA_CONTEXT, GIB, HOST_PROCESS, IN_STORE_TRIP_HIDDEN, MODEL_BYTES,
+                                          PCIE_DUPLEX_SHARE, STREAM_HELD_LAYERS, WORKSPACE)
 from angelgpt.planner.layout import chunk_numels, rank_params
 from angelgpt.planner.machines import Machine
 from angelgpt.planner.memory import (accumulating, activation_bytes, grad_bytes, micro_batches_in_flight,
@@ -163,12 +163,10 @@ def plan_step(cfg: Config, hw: Machine, gpus_per_node: int, nodes: int, rate: fl
     fetch_mb = passes * sum(offloaded) * MODEL_BYTES / (hw.pcie_gbs * 1e9)
     transfers = mb * max(0.0, fetch_mb - compute / mb)
     if in_store:  # after the first micro batch: a round trip per host sub-group, up and down at once
-        # (pipelined over the slots), behind the micro batch's backward; measured at 19 layers, 16 micro
-        # batches: hidden (the step 2.6 s over compute, 2.0 s of it the update;
-        # peers-zero_cache-L19-mb2-gb32.json)
+        # (pipelined over the slots), behind part of the micro batch's backward (IN_STORE_TRIP_HIDDEN)
         # the sums go up and come down at once: each direction at its share of both directions' rate
         trip = off_numel * g / (hw.pcie_gbs * PCIE_DUPLEX_SHARE * 1e9)
-        transfers += (mb - 1) * max(0.0, trip - bwd_last)
+        transfers += (mb - 1) * max(0.0, trip - IN_STORE_TRIP_HIDDEN * bwd_last)
     update = max(cpu, nvme_io)  # NVMe reads and writes are double buffered beside the CPU update
     exposed_update = max(0.0, update - fwd_first) if zc.pipeline_optimizer else update
     step = {
