@@ -19,7 +19,7 @@ from angelgpt.config import Config, ConfigError
 from angelgpt.planner.machines import Machine
 from angelgpt.planner.plan import plan_for
 from angelgpt.planner.systemplan import SystemPlan
-from angelgpt.planner.zero_cache import device_update_fraction, offload_params_on
+from angelgpt.planner.zero_cache import device_update_fraction, offload_params_on, remainders_on
 
 
 def _c_compiler() -> Optional[str]:
@@ -75,8 +75,8 @@ def resolve_config(cfg: Config, machine: Machine, gpus_per_node: int, nodes: int
                           f"{'a GPU' if on_gpu else 'the CPU'}")
     zc, o = cfg.zero_cache, cfg.optim
     cpu_adam = zc.cpu_adam if zc.cpu_adam != "auto" else ("native" if _c_compiler() else "torch")
-    if o.store_param_remainders == "auto":  # before the plan: it sets the bytes a parameter
-        o = replace(o, store_param_remainders=o.optimizer == "zero_cache" and on_gpu)
+    # before the plan: it sets the bytes a parameter
+    o = replace(o, store_param_remainders=remainders_on(o, o.optimizer == "zero_cache" and on_gpu))
     cfg = replace(cfg, train=replace(cfg.train, device=device), optim=o,
                   model=replace(cfg.model, transformer_impl=_transformer_impl(cfg.model.transformer_impl)),
                   zero_cache=replace(zc, cpu_adam=cpu_adam))

@@ -60,11 +60,18 @@ def fp8_moments(cfg: Config) -> bool:
     return "fp8" in (cfg.optim.exp_avg_dtype, cfg.optim.exp_avg_sq_dtype)
 
 
+def remainders_on(optim, zero_cache_on_gpu: bool) -> bool:
+    """optim.store_param_remainders with 'auto' read as: on where ZeRO-Cache runs on a GPU (the launcher
+    resolves it so; ZeRO-Cache's plan is for a GPU machine)."""
+    value = optim.store_param_remainders
+    return zero_cache_on_gpu if value == "auto" else value is True
+
+
 def states_per_element(cfg: Config, model_bytes: int = MODEL_BYTES):
     """(remainders, bytes): whether the masters are kept as remainders beside bf16 weights
     (optim.store_param_remainders, for a 2-byte model) and the bytes a chunk keeps per element."""
     o = cfg.optim
-    remainders = o.store_param_remainders in (True, "auto") and model_bytes == 2  # 'auto': on for ZeRO-Cache
+    remainders = remainders_on(o, zero_cache_on_gpu=True) and model_bytes == 2
     return remainders, state_bytes(remainders, o.exp_avg_dtype, o.exp_avg_sq_dtype)
 
 
