@@ -74,37 +74,54 @@ static inline void split_master(float f, uint16_t *w, int16_t *r) { /* rounded b
     *w = (uint16_t)((u >> 16) + ((u >> 15) & 1u));
 }
 
+typedef struct {
+    float decay, b1, b2, c1, c2, step_size, bc2_sqrt, eps, scale;
+} Hyper;
+
+static inline Hyper hyper(const Job *j) {
+    const Hyper h = {j->decay, j->beta1, j->beta2, 1.0f - j->beta1, 1.0f - j->beta2, j->step_size, j->bc2_sqrt,
+                     j->eps, j->scale};
+    return h;
+}
+
+/* One element's AdamW, the one update both loops below run: the gradient and the master read at i, the
+ * moments given as read (fp32) and returned updated in *m and *v, the new master written back (fp32, or
+ * as the weight and its remainder) and the new weight written where the out kind says. */
+static inline __attribute__((always_inline)) void update(const int flags, const Hyper h, const int64_t i,
+                                                        void *restrict p, uint16_t *restrict w,
+                                                        void *restrict g, void *restrict out, float *m, float *v) {
+    const int gb = flags & G_BF16, out_kind = (flags >> OUT_SHIFT) & 3, rem = flags & REM;
+    uint16_t *g16 = (uint16_t *)g;
+    float *g32 = (float *)g;
+    const float gi = (gb ? bf16_to_f32(g16[i]) : g32[i]) / h.scale;
+    const float pi = rem ? join_master(w[i], ((int16_t *)p)[i]) : ((float *)p)[i];
+    const float mi = h.b1 * *m + h.c1 * gi;
+    const float vi = h.b2 * *v + h.c2 * gi * gi;
+    const float wi = pi * h.decay - h.step_size * mi / (sqrtf(vi) / h.bc2_sqrt + h.eps);
+    if (rem) split_master(wi, &w[i], &((int16_t *)p)[i]);
+    else ((float *)p)[i] = wi;
+    *m = mi;
+    *v = vi;
+    if (out_kind == 1) ((float *)out)[i] = wi;
+    if (out_kind == 2) ((uint16_t *)out)[i] = f32_to_bf16(wi);
+    if (out_kind == 3 && gb) g16[i] = f32_to_bf16(wi); /* same element just read: no alias between i */
+    if (out_kind == 3 && !gb) g32[i] = wi;
+}
+
 /* one loop, specialised for each combination of flags so that each vectorises */
 static inline __attribute__((always_inline)) void run(const Job *j, const int flags) {
-    const int gb = flags & G_BF16, out_kind = (flags >> OUT_SHIFT) & 3, rem = flags & REM;
     const int mb = flags & M_BF16, vb = flags & V_BF16;
-    float *restrict p32 = (float *)j->p;
-    int16_t *restrict r16 = (int16_t *)j->p;
-    uint16_t *restrict w16 = (uint16_t *)j->w;
     float *restrict m32 = (float *)j->m, *restrict v32 = (float *)j->v;
     uint16_t *restrict m16 = (uint16_t *)j->m, *restrict v16 = (uint16_t *)j->v;
-    uint16_t *restrict g16 = (uint16_t *)j->g;
-    float *restrict g32 = (float *)j->g;
-    uint16_t *restrict o16 = (uint16_t *)j->out;
-    float *restrict o32 = (float *)j->out;
-    const float decay = j->decay, b1 = j->beta1, b2 = j->beta2, c1 = 1.0f - j->beta1, c2 = 1.0f - j->beta2;
-    const float step_size = j->step_size, bc2_sqrt = j->bc2_sqrt, eps = j->eps, scale = j->scale;
+    const Hyper h = hyper(j);
     for (int64_t i = j->lo; i < j->hi; i++) {
-        float g = (gb ? bf16_to_f32(g16[i]) : g32[i]) / scale;
-        float p = rem ? join_master(w16[i], r16[i]) : p32[i];
-        float mi = b1 * (mb ? bf16_to_f32(m16[i]) : m32[i]) + c1 * g;
-        float vi = b2 * (vb ? bf16_to_f32(v16[i]) : v32[i]) + c2 * g * g;
-        float w = p * decay - step_size * mi / (sqrtf(vi) / bc2_sqrt + eps);
-        if (rem) split_master(w, &w16[i], &r16[i]);
-        else p32[i] = w;
+        float mi = mb ? bf16_to_f32(m16[i]) : m32[i];
+        float vi = vb ? bf16_to_f32(v16[i]) : v32[i];
+        update(flags, h, i, j->p, (uint16_t *)j->w, j->g, j->out, &mi, &vi);
         if (mb) m16[i] = f32_to_bf16(mi);
         else m32[i] = mi;
         if (vb) v16[i] = f32_to_bf16(vi);
         else v32[i] = vi;
-        if (out_kind == 1) o32[i] = w;
-        if (out_kind == 2) o16[i] = f32_to_bf16(w);
-        if (out_kind == 3 && gb) g16[i] = f32_to_bf16(w); /* same element just read: no alias between i */
-        if (out_kind == 3 && !gb) g32[i] = w;
     }
 }
 
@@ -184,20 +201,11 @@ static void encode_block(const float *restrict x, int n, uint8_t *restrict codes
  * specialised for each combination of flags as `run` is (a non-fp8 moment's dtype beside an fp8 one read
  * from j->flags) */
 static inline __attribute__((always_inline)) void run_blocks(const Job *j, const int flags) {
-    const int gb = flags & G_BF16, out_kind = (flags >> OUT_SHIFT) & 3, rem = flags & REM;
     const int mb = j->flags & M_BF16, vb = j->flags & V_BF16, m8 = flags & M_FP8, v8 = flags & V_FP8;
-    float *restrict p32 = (float *)j->p;
-    int16_t *restrict r16 = (int16_t *)j->p;
-    uint16_t *restrict w16 = (uint16_t *)j->w;
     float *restrict m32 = (float *)j->m, *restrict v32 = (float *)j->v;
     uint16_t *restrict m16 = (uint16_t *)j->m, *restrict v16 = (uint16_t *)j->v;
     uint8_t *restrict mc = (uint8_t *)j->m, *restrict vc = (uint8_t *)j->v;
-    uint16_t *restrict g16 = (uint16_t *)j->g;
-    float *restrict g32 = (float *)j->g;
-    uint16_t *restrict o16 = (uint16_t *)j->out;
-    float *restrict o32 = (float *)j->out;
-    const float decay = j->decay, b1 = j->beta1, b2 = j->beta2, c1 = 1.0f - j->beta1, c2 = 1.0f - j->beta2;
-    const float step_size = j->step_size, bc2_sqrt = j->bc2_sqrt, eps = j->eps, scale = j->scale;
+    const Hyper h = hyper(j);
     float mo[FP8_BLOCK], vo[FP8_BLOCK];
     for (int64_t lo = j->lo; lo < j->hi; lo += FP8_BLOCK) {
         const int n = (int)(j->hi - lo < FP8_BLOCK ? j->hi - lo : FP8_BLOCK);
@@ -217,22 +225,7 @@ static inline __attribute__((always_inline)) void run_blocks(const Job *j, const
         } else {
             for (int k = 0; k < n; k++) vo[k] = vb ? bf16_to_f32(v16[lo + k]) : v32[lo + k];
         }
-        for (int k = 0; k < n; k++) {
-            const int64_t i = lo + k;
-            float g = (gb ? bf16_to_f32(g16[i]) : g32[i]) / scale;
-            float p = rem ? join_master(w16[i], r16[i]) : p32[i];
-            float mi = b1 * mo[k] + c1 * g;
-            float vi = b2 * vo[k] + c2 * g * g;
-            float w = p * decay - step_size * mi / (sqrtf(vi) / bc2_sqrt + eps);
-            if (rem) split_master(w, &w16[i], &r16[i]);
-            else p32[i] = w;
-            mo[k] = mi;
-            vo[k] = vi;
-            if (out_kind == 1) o32[i] = w;
-            if (out_kind == 2) o16[i] = f32_to_bf16(w);
-            if (out_kind == 3 && gb) g16[i] = f32_to_bf16(w);
-            if (out_kind == 3 && !gb) g32[i] = w;
-        }
+        for (int k = 0; k < n; k++) update(flags, h, lo + k, j->p, (uint16_t *)j->w, j->g, j->out, &mo[k], &vo[k]);
         if (m8) {
             encode_block(mo, n, mc + lo, j->ms + b, j->salt_m, j->base + lo, -124);
         } else {
