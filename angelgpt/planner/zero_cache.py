@@ -27,7 +27,8 @@ from angelgpt.planner.memory import (accumulating, activation_bytes, grad_bytes,
                                      offloaded_activation_bytes, sub_group_numels)
 from angelgpt.planner.systemplan import SystemPlan, finish, world_and_dp
 from angelgpt.planner.timing import compute_s, forward_share, host_update_rates
-from angelgpt.zero_cache.placement import SLICE, place, prefetch_depth, state_bytes, training_reserve
+from angelgpt.zero_cache.placement import (SLICE, place, prefetch_depth, state_bytes, training_reserve,
+                                          upload_buffers)
 
 
 def _fetch_depth(cfg: Config, layer_numel: int) -> int:
@@ -140,7 +141,8 @@ def plan_step(cfg: Config, hw: Machine, gpus_per_node: int, nodes: int, rate: fl
         uploads.remove(n)
     host = {
         "host_states": tb["host"],
-        "upload_buffers": 2 * min(max(uploads), SLICE) * MODEL_BYTES if uploads else 0,
+        "upload_buffers": (upload_buffers(states_per_element(cfg)[0]) * min(max(uploads), SLICE) * MODEL_BYTES
+                           if uploads else 0),
         "process": HOST_PROCESS,
     }
     mb = cfg.num_microbatches(dp)

@@ -35,7 +35,7 @@ from angelgpt.zero_cache.placement import (ACCUMULATION_SLOTS, CODEC_SLICE, GPU_
                                            STATES, accumulation_bytes, chunk_runs, device_update_bytes,
                                            device_update_elements, largest_off_device_group,
                                            own_weight_buffers, packed_nbytes, partition, place,
-                                           prefetch_depth, training_reserve)
+                                           prefetch_depth, training_reserve, upload_buffers)
 from angelgpt.zero_cache.precision import StateFormat
 from angelgpt.zero_cache.tiers import (GIB, DeviceTier, HostTier, NVMeTier, available_bytes, check_capacity,
                                        check_memlock, device_memory, refuse_together)
@@ -266,9 +266,9 @@ class Store:
             self.tiers["host"].bytes += self.nvme.reserve_staging(self.format.nbytes(max(nvme_sizes)))
         upload = [c.numel for c in self.chunks
                   if c.tier != "device" and not self.partitioned[c.group] and not c.device_update]
-        # two pinned buffers in the model dtype carry updated weights to the device (double buffered)
+        # pinned buffers in the model dtype carry updated weights to the device (placement.upload_buffers)
         self.upload = [torch.empty(min(max(upload), SLICE), dtype=self.model_dtype, pin_memory=True)
-                       for _ in range(2)] if upload and on_cuda else []
+                       for _ in range(upload_buffers(self.format.remainders))] if upload and on_cuda else []
         self._allocate_shared()
         for gi in reversed(range(len(self.sub_groups))):  # last layers first: offloaded ones leave the device
             if materialize is not None:                    # before the first layers' states arrive

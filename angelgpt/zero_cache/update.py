@@ -49,7 +49,7 @@ class Update:
         self.nvme, self.scratch, self.work = store.nvme, store.scratch, store.work
         self.format = store.format
         self._upload, self._update_bufs, self._update_free = store.upload, store.update_bufs, store.update_free
-        self._upload_done, self._slot = [None, None], 0  # which upload buffer comes next
+        self._upload_done, self._slot = [None] * len(self._upload), 0  # which upload buffer comes next
         self._update_slot = 0  # which device update buffer comes next
         self.streams, self.profile = store.streams, store.profile
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero-cache-update")
@@ -336,7 +336,7 @@ class Update:
 
     def _staging(self, n: int) -> Tuple[int, torch.Tensor]:
         """The next pinned upload buffer, once its previous upload has left it."""
-        slot = self._slot = 1 - self._slot
+        slot = self._slot = (self._slot + 1) % len(self._upload)
         if self._upload_done[slot] is not None:
             self._upload_done[slot].synchronize()
         return slot, self._upload[slot][:n]
