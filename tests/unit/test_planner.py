@@ -325,3 +325,12 @@ def test_a_pipeline_stage_holds_its_1f1b_micro_batches_in_flight():
     assert beside_store_bytes(kept, dp, 0) - beside_store_bytes(kept, dp, 3) == 3 * one
     two = replace(cfg, train=replace(cfg.train, global_batch_size=20))
     assert micro_batches_in_flight(two, dp, 0) == 2
+
+
+def test_remainders_count_a_third_upload_buffer():
+    """With remainders a host slice's weights come down into the upload buffer after the one being
+    updated (placement.upload_buffers): the plan's pinned upload buffers are three slices, not two."""
+    base = ["model.num_layers=16", "optim.optimizer=zero_cache", "zero_cache.prefetch_cache_sub_group_rate=0.4"]
+    ups = {v: plan_for(parse("h200-16b", overrides=base + [f"optim.store_param_remainders={v}"]),
+                       MACHINES["h200"]).host_bytes["upload_buffers"] for v in ("true", "false")}
+    assert ups["false"] > 0 and ups["true"] * 2 == ups["false"] * 3, ups
