@@ -45,9 +45,7 @@ class MegatronDistributedOptimizer(Optimizer):
         if is_loading:
             for inner in getattr(self.inner, "chained_optimizers", [self.inner]):
                 if not any("step" in s for s in inner.optimizer.state.values()):
-                    # a fresh optimizer has no states to load into: Megatron's own placeholders (one step
-                    # on zero gradients), which the load replaces in place
-                    inner._init_optimizer_states_with_dummy_values()
+                    _placeholder_states(inner.optimizer)
         metadata = dict(metadata or {})
         metadata.setdefault("distrib_optim_sharding_type", DP_RESHARDABLE)
         metadata.setdefault("chained_optim_avoid_prefix", True)
@@ -55,6 +53,18 @@ class MegatronDistributedOptimizer(Optimizer):
 
     def load_state_dict(self, state: dict) -> None:
         self.inner.load_state_dict(state)
+
+
+def _placeholder_states(torch_optimizer) -> None:
+    """A fresh torch optimizer has no states to load into (torch's AdamW makes them in its first step):
+    one step on zero gradients makes them, as Megatron's loading does, and the load replaces them, and
+    the fp32 main params that step moved, in place."""
+    for group in torch_optimizer.param_groups:
+        for p in group["params"]:
+            if p.numel():
+                p.grad = torch.zeros_like(p)
+    torch_optimizer.step()
+    torch_optimizer.zero_grad()
 
 
 DP_RESHARDABLE = "dp_reshardable"
