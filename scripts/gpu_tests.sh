@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # tests/gpu on a GPU machine (the device), and its result file: every test's outcome and duration with
-# the commit and the machine, benchmarks/results/gpu-tests-<short commit>.json (or RESULT). Installs any
-# wheels found in .whl/ (megatron-core and what else the machine lacks). Runs the tests PYTEST_WORKERS
-# at a time (pytest-xdist, default 6: the tests are small models sharing the one GPU).
+# the commit and the machine (a failure's message with it), benchmarks/results/gpu-tests-<short commit>.json
+# (or RESULT). Installs any wheels found in .whl/ (megatron-core and what else the machine lacks). Runs the
+# tests PYTEST_WORKERS at a time (pytest-xdist, default 6: the tests are small models sharing the one GPU).
 #   ANGELGPT_COMMIT=$(git rev-parse HEAD) bash scripts/gpu_tests.sh [RESULT] [PYTEST ARGS...]
 # A second call with the same RESULT and other tests (a part of tests/gpu per call) adds to the file.
 set -u
@@ -27,15 +27,18 @@ from pathlib import Path
 junit, result, started, code, args = sys.argv[1:]
 tests = []
 for case in ET.parse(junit).iter("testcase"):
-    outcome = "passed"
+    outcome, message = "passed", None
     for child in case:
         if child.tag in ("failure", "error"):
             outcome = "failed" if child.tag == "failure" else "error"
+            message = (child.get("message") or "").strip()[:500]  # why, kept with the outcome
         elif child.tag == "skipped":
             outcome = "skipped"
     path = case.get("file") or case.get("classname", "").replace(".", "/") + ".py"
     entry = {"nodeid": f"{path}::{case.get('name')}", "outcome": outcome,
              "duration_s": round(float(case.get("time", 0)), 2)}
+    if message:
+        entry["message"] = message
     props = {p.get("name"): p.get("value") for p in case.iter("property")}
     if props:  # figures a test measured (record_property)
         entry["properties"] = props
