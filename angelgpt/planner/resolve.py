@@ -10,8 +10,6 @@ Torch-free: it looks for a C compiler without running it.
 
 from __future__ import annotations
 
-import os
-import shutil
 from dataclasses import fields, is_dataclass, replace
 from typing import List, Optional, Tuple
 
@@ -20,13 +18,7 @@ from angelgpt.planner.machines import Machine
 from angelgpt.planner.plan import plan_for
 from angelgpt.planner.systemplan import SystemPlan
 from angelgpt.planner.zero_cache import device_update_fraction, offload_params_on, remainders_on
-
-
-def _c_compiler() -> Optional[str]:
-    """The C compiler zero_cache.cpu_adam's kernel is built with (cpu_adam.build: $CC, else cc, else gcc),
-    where it is found; None where it is not."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    return shutil.which(cc) if cc else None
+from angelgpt.system import c_compiler
 
 
 def _transformer_impl(impl: str) -> str:
@@ -74,7 +66,7 @@ def resolve_config(cfg: Config, machine: Machine, gpus_per_node: int, nodes: int
         raise ConfigError(f"train.device is '{device}' but the config is being resolved for "
                           f"{'a GPU' if on_gpu else 'the CPU'}")
     zc, o = cfg.zero_cache, cfg.optim
-    cpu_adam = zc.cpu_adam if zc.cpu_adam != "auto" else ("native" if _c_compiler() else "torch")
+    cpu_adam = zc.cpu_adam if zc.cpu_adam != "auto" else ("native" if c_compiler() else "torch")
     # before the plan: it sets the bytes a parameter
     o = replace(o, store_param_remainders=remainders_on(o, o.optimizer == "zero_cache" and on_gpu))
     cfg = replace(cfg, train=replace(cfg.train, device=device), optim=o,
