@@ -14,15 +14,7 @@ import contextlib
 from abc import ABC, abstractmethod
 from typing import Dict, List, Optional, Tuple
 
-
-def no_weight_decay(name: str, param) -> bool:
-    """Biases and 1-D parameters (norms) take no weight decay, as in Megatron."""
-    return name.endswith(".bias") or param.ndim == 1
-
-
-def clip_coefficient(norm: float, clip_grad: float) -> float:
-    """Scale for gradients so their global norm is at most clip_grad (as Megatron and torch clip)."""
-    return min(1.0, clip_grad / (norm + 1.0e-6)) if clip_grad > 0 else 1.0
+from angelgpt.zero_cache.rules import clip_coefficient, no_weight_decay  # noqa: F401 (the math they share)
 
 
 class Optimizer(ABC):

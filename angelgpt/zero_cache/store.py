@@ -27,7 +27,6 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from angelgpt.config import Config, ConfigError
-from angelgpt.optimizer import no_weight_decay
 from angelgpt.parallel.log import EVERY_RANK, get_logger
 from angelgpt.zero_cache.cpu_adam import CpuAdam, CpuAdamUnavailable
 from angelgpt.zero_cache.pipeline import Profile, Streams
@@ -37,6 +36,7 @@ from angelgpt.zero_cache.placement import (ACCUMULATION_SLOTS, CODEC_SLICE, GPU_
                                            own_weight_buffers, packed_nbytes, partition, place,
                                            prefetch_depth, training_reserve, upload_buffers)
 from angelgpt.zero_cache.precision import StateFormat
+from angelgpt.zero_cache.rules import no_weight_decay
 from angelgpt.zero_cache.tiers import (GIB, DeviceTier, HostTier, NVMeTier, available_bytes, check_capacity,
                                        check_memlock, device_memory, refuse_together)
 

@@ -26,9 +26,9 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from angelgpt.optimizer import clip_coefficient
 from angelgpt.zero_cache.placement import CODEC_SLICE, DEVICE_UPDATE_SLICE, STATES, slices
 from angelgpt.zero_cache.precision import decode, encode
+from angelgpt.zero_cache.rules import clip_coefficient
 from angelgpt.zero_cache.store import Chunk, Store
 from angelgpt.zero_cache.tiers import NVMeTier
 
