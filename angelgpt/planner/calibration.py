@@ -40,6 +40,10 @@ IN_STORE_TRIP_HIDDEN = 0.72
 # peers-zero_cache-L19-mb2-gb32-recomputeauto-devupdate0.45.json,
 # peers-zero_cache-L19-mb2-gb32-recomputeauto-split0.56.json
 DEVICE_UPDATE_PER_PCIE_GBS = 2.55 / 55.0
+# the bytes a parameter those runs moved over PCIe in the device update (bf16 gradient up; fp32 master and
+# moments up and back down): another format's device path runs at the rate scaled by its own bytes (the
+# path is PCIe-bound: 66 GB/s of the 97.1 both directions carry together)
+DEVICE_UPDATE_BYTES = 2 + 2 * 12
 CPU_BESIDE_DEVICE_UPDATE = 1.52
 # zero_cache.cpu_adam torch (fp32 gradient scratch, torch's fused AdamW, weights converted back) against
 # the one-pass kernel, same benchmark: 2.09 against 2.81 G params/s (cpu_adam-67108864-static-split.json)

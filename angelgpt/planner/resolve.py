@@ -90,7 +90,7 @@ def resolve_config(cfg: Config, machine: Machine, gpus_per_node: int, nodes: int
                 offload_params=chosen.offload_params if zc.offload_params == "auto" else zc.offload_params,
                 accumulate_in_store=bool(chosen.accumulate_in_store) if zc.accumulate_in_store == "auto"
                 else zc.accumulate_in_store,
-                device_update_fraction=device_update_fraction(cfg, machine, gpus_per_node)))
+                device_update_fraction=device_update_fraction(cfg, machine, gpus_per_node, nodes)))
     else:
         if m.recompute == "auto":
             m = replace(m, recompute="none", recompute_num_layers=None)

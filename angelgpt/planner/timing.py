@@ -11,20 +11,23 @@ from __future__ import annotations
 
 from angelgpt.config import Config
 from angelgpt.model.flops import flops_per_iteration, recomputed_layers
-from angelgpt.planner.calibration import (CPU_BESIDE_DEVICE_UPDATE, DEVICE_UPDATE_PER_PCIE_GBS, FP8_CPU_UPDATE,
-                                         TORCH_CPU_UPDATE, TORCH_FP8_CPU_UPDATE)
+from angelgpt.planner.calibration import (CPU_BESIDE_DEVICE_UPDATE, DEVICE_UPDATE_BYTES, DEVICE_UPDATE_PER_PCIE_GBS,
+                                         FP8_CPU_UPDATE, TORCH_CPU_UPDATE, TORCH_FP8_CPU_UPDATE)
 from angelgpt.planner.machines import Machine
 
 
-def host_update_rates(hw: Machine, gpus_per_node: int, cpu_adam: str = "auto", fp8: bool = False):
+def host_update_rates(hw: Machine, gpus_per_node: int, cpu_adam: str = "auto", fp8: bool = False,
+                      device_bytes: float = DEVICE_UPDATE_BYTES):
     """Parameters/s per GPU of the host update: (CPU alone, CPU beside device updates, device path);
-    fp8: a moment is kept in fp8 (the CPU's rate scaled by what its path measured)."""
+    fp8: a moment is kept in fp8 (the CPU's rate scaled by what its path measured); device_bytes: what
+    the device path moves over PCIe a parameter (the gradient up, the states up and back down)."""
     if fp8:
         factor = TORCH_FP8_CPU_UPDATE if cpu_adam == "torch" else FP8_CPU_UPDATE
     else:
         factor = TORCH_CPU_UPDATE if cpu_adam == "torch" else 1.0
     cpu = hw.cpu_update_gparams * 1e9 / gpus_per_node * factor
-    return cpu, cpu * CPU_BESIDE_DEVICE_UPDATE, hw.pcie_gbs * DEVICE_UPDATE_PER_PCIE_GBS * 1e9
+    device = hw.pcie_gbs * DEVICE_UPDATE_PER_PCIE_GBS * 1e9 * DEVICE_UPDATE_BYTES / device_bytes
+    return cpu, cpu * CPU_BESIDE_DEVICE_UPDATE, device
 
 
 def compute_s(cfg: Config, hw: Machine, world: int) -> float:

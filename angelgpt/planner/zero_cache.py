@@ -46,14 +46,22 @@ def offload_params_on(cfg: Config) -> bool:
     return op if op != "auto" else recomputed_layers(cfg) == cfg.model.num_layers > 0
 
 
-def device_update_fraction(cfg: Config, hw: Machine, gpus_per_node: int) -> float:
+def device_update_fraction(cfg: Config, hw: Machine, gpus_per_node: int, nodes: int = 1) -> float:
     """zero_cache.device_update_fraction, 'auto' resolved so that the device path and the CPU beside it
     finish their shares of the host update together."""
     frac = cfg.zero_cache.device_update_fraction
     if frac != "auto":
         return float(frac)
-    _, cpu_rate, device_rate = host_update_rates(hw, gpus_per_node, cfg.zero_cache.cpu_adam, fp8_moments(cfg))
+    _, cpu_rate, device_rate = update_rates(cfg, hw, gpus_per_node, nodes)
     return round(device_rate / (device_rate + cpu_rate), 2)
+
+
+def update_rates(cfg: Config, hw: Machine, gpus_per_node: int, nodes: int):
+    """The host update's rates (timing.host_update_rates) for the config's states: the CPU's path for its
+    moments, the device path for the bytes a parameter it moves (the gradient sum up, the states up and
+    back down; the weight stays on the GPU)."""
+    moved = grad_bytes(cfg, world_and_dp(cfg, gpus_per_node, nodes)[1]) + 2 * states_per_element(cfg)[1]
+    return host_update_rates(hw, gpus_per_node, cfg.zero_cache.cpu_adam, fp8_moments(cfg), moved)
 
 
 def fp8_moments(cfg: Config) -> bool:
@@ -117,7 +125,7 @@ def plan_step(cfg: Config, hw: Machine, gpus_per_node: int, nodes: int, rate: fl
     host_limit = hw.host_mem_gib * GIB / gpus_per_node - HOST_PROCESS - offloaded_activation_bytes(cfg, in_flight)
     if zc.host_max_gib is not None:
         host_limit = min(host_limit, zc.host_max_gib * GIB)
-    fraction = device_update_fraction(cfg, hw, gpus_per_node)
+    fraction = device_update_fraction(cfg, hw, gpus_per_node, nodes)
     numels, tiers, tb, offloaded, streamed = rank_tier_bytes(cfg, dp, 0, float(rate), host_limit, use_nvme,
                                                              pp_rank=pp_rank, fraction=fraction)
     largest_layer = max(sub_group_numels(params).values())  # the largest sub-group, all of it (as the optimizer counts)
@@ -155,7 +163,7 @@ def plan_step(cfg: Config, hw: Machine, gpus_per_node: int, nodes: int, rate: fl
     d2h = off_numel * g / (hw.pcie_gbs * 1e9)
     on_device = sum(n for n, s in zip(numels, streamed) if s)  # host chunks the GPU updates
     h2d = (off_numel - on_device) * MODEL_BYTES / (hw.pcie_gbs * 1e9)
-    cpu_alone, cpu_shared, device_rate = host_update_rates(hw, gpus_per_node, zc.cpu_adam, fp8_moments(cfg))
+    cpu_alone, cpu_shared, device_rate = update_rates(cfg, hw, gpus_per_node, nodes)
     beside = on_device / device_rate  # the device path's time, while the CPU runs at its shared rate
     cpu_work = off_numel - on_device
     cpu = cpu_work / cpu_shared if cpu_work <= cpu_shared * beside else beside + (

@@ -334,3 +334,19 @@ def test_remainders_count_a_third_upload_buffer():
     ups = {v: plan_for(parse("h200-16b", overrides=base + [f"optim.store_param_remainders={v}"]),
                        MACHINES["h200"]).host_bytes["upload_buffers"] for v in ("true", "false")}
     assert ups["false"] > 0 and ups["true"] * 2 == ups["false"] * 3, ups
+
+
+def test_the_device_update_runs_at_the_pcie_rate_of_the_bytes_it_moves():
+    """The device path of the host update moves a parameter's gradient sum up and its states up and back
+    down: fewer bytes (compact states, bf16 sums) make it faster in proportion, and 'auto' gives it the
+    larger share (the CPU's fp8 path is slower, too)."""
+    from angelgpt.planner.zero_cache import device_update_fraction, update_rates
+
+    h200 = MACHINES["h200"]
+    base = ["model.num_layers=26", "optim.optimizer=zero_cache", "train.global_batch_size=8"]
+    exact = parse("h200-16b", overrides=base + ["optim.store_param_remainders=false"])  # 4 + 2 x 12 bytes
+    compact = parse("h200-16b", overrides=base + ["optim.store_param_remainders=true", "optim.exp_avg_dtype=fp8",
+                                                  "optim.exp_avg_sq_dtype=fp8", BF16_SUMS])  # 2 + 2 x 4.03
+    device = {name: update_rates(cfg, h200, 1, 1)[2] for name, cfg in (("exact", exact), ("compact", compact))}
+    assert device["compact"] / device["exact"] == pytest.approx(28 / (2 + 2 * 4.03125))
+    assert device_update_fraction(compact, h200, 1) > device_update_fraction(exact, h200, 1)
