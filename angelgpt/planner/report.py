@@ -78,4 +78,7 @@ def render(cfg, hw: Machine, gpus_per_node: int, nodes: int, plans: Dict[str, Sy
         parts = ", ".join(f"{k} {v:.2f}" for k, v in p.step_s.items() if v or k == "compute")
         lines.append(f"  step: {p.step_time_s:.2f} s ({parts}; exposed beyond compute) -> "
                      f"{p.tflops_per_gpu:.0f} model TFLOP/s/GPU, bound by {p.bottleneck}")
+        if p.bottleneck == "micro_batch_transfers" and p.accumulate_in_store:
+            lines.append("  (the host chunks' gradient sums go up and back down every micro batch after the "
+                         "first: fewer, larger micro batches, train.micro_batch_size, send them fewer times)")
     return "\n".join(lines)

@@ -350,3 +350,20 @@ def test_the_device_update_runs_at_the_pcie_rate_of_the_bytes_it_moves():
     device = {name: update_rates(cfg, h200, 1, 1)[2] for name, cfg in (("exact", exact), ("compact", compact))}
     assert device["compact"] / device["exact"] == pytest.approx(28 / (2 + 2 * 4.03125))
     assert device_update_fraction(compact, h200, 1) > device_update_fraction(exact, h200, 1)
+
+
+def test_plan_says_when_the_sums_round_trips_bound_the_step():
+    """Accumulating in the store at micro batch 2, 18 layers of the 55 shape wait for the host sums' round
+    trips; `angelgpt plan` says a larger micro batch sends them fewer times, and at 4 they no longer bound it."""
+    from angelgpt.model.flops import num_params
+    from angelgpt.planner import plan as make_plan
+    from angelgpt.planner.report import render
+
+    said = {}
+    for mb in (2, 4):
+        cfg = parse("h200-16b", overrides=["model.num_layers=18", "optim.optimizer=zero_cache",
+                                           f"train.micro_batch_size={mb}", "train.global_batch_size=32"])
+        plans = make_plan(cfg, MACHINES["h200"], 1, 1)
+        said[mb] = (plans["zero_cache"].bottleneck, "fewer, larger micro batches" in render(
+            cfg, MACHINES["h200"], 1, 1, plans, num_params(cfg)))
+    assert said == {2: ("micro_batch_transfers", True), 4: ("cpu_optimizer", False)}, said
