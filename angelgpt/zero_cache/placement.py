@@ -18,15 +18,6 @@ FP8_BLOCK = 256
 # elements updated at a time: the fp32 gradient scratch and the upload buffers hold one slice (whole
 # blocks of fp8 moments: a setting that is not a multiple of FP8_BLOCK is rounded down to one)
 SLICE = max(FP8_BLOCK, int(os.environ.get("ANGELGPT_ZERO_CACHE_SLICE", 1 << 26)) // FP8_BLOCK * FP8_BLOCK)
-
-
-def upload_buffers(remainders: bool) -> int:
-    """Pinned buffers that carry a host chunk's updated weights up to the device, a slice each: two (one
-    filled while the other's upload runs); three where the master row holds remainders, whose weights
-    come down into the next buffer a slice ahead of the update, so that an upload is still in flight."""
-    return 3 if remainders else 2
-
-
 # elements a device update buffer holds (two of them: host chunks updated on the device stream through them)
 DEVICE_UPDATE_SLICE = min(SLICE, 1 << 25)
 # most elements of one chunk: a sub-group's parameters of one weight-decay class go into chunks of
@@ -50,6 +41,13 @@ def state_bytes(remainders: bool = False, exp_avg: str = "fp32", exp_avg_sq: str
     whole = (2 if remainders else 4) + MOMENT_BYTES[exp_avg] + MOMENT_BYTES[exp_avg_sq]
     scaled = [exp_avg, exp_avg_sq].count("fp8")
     return whole + 4 * scaled / FP8_BLOCK if scaled else whole
+
+
+def upload_buffers(remainders: bool) -> int:
+    """Pinned buffers that carry a host chunk's updated weights up to the device, a slice each: two (one
+    filled while the other's upload runs); three where the master row holds remainders, whose weights
+    come down into the next buffer a slice ahead of the update, so that an upload is still in flight."""
+    return 3 if remainders else 2
 
 
 def state_nbytes(numel: int, states) -> int:
