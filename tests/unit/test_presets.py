@@ -77,10 +77,35 @@ def test_h200_presets_bracket_offload():
     assert parse("h200-16b").optim.optimizer == "zero_cache"
 
 
+def test_the_h200_28b_preset_is_the_run_that_trained_the_28_shape_on_one_h200():
+    """h200-28b is the 28 preset's layer shape with the settings of the H200 run that trained it (the
+    h200-16b preset with overrides then): the same model, optimizer settings and batches; the planner
+    says it fits one H200 before launch."""
+    from angelgpt.planner import MACHINES, auto_plan
+    from tests.planner_runs import config_of, result
+
+    cfg = parse("h200-28b")
+    ran = config_of(result("peers-zero_cache-L26-mb2-gb8-heads128-remainderstrue-expavgfp8-expavgsqfp8-"
+                           "fp32sumsfalse.json"))
+    from dataclasses import replace
+
+    settled = dict(activation_offload=ran.model.activation_offload, transformer_impl=ran.model.transformer_impl)
+    assert replace(cfg.model, **settled) == ran.model and cfg.parallel == ran.parallel  # as the run settled 'auto'
+    assert (cfg.train.micro_batch_size, cfg.train.global_batch_size) == (ran.train.micro_batch_size, 8)
+    o, r = cfg.optim, ran.optim
+    assert (o.optimizer, o.exp_avg_dtype, o.exp_avg_sq_dtype, o.accumulate_grads_in_fp32) == \
+        (r.optimizer, r.exp_avg_dtype, r.exp_avg_sq_dtype, r.accumulate_grads_in_fp32) == ("zero_cache", "fp8", "fp8", False)
+    assert o.store_param_remainders == "auto" and r.store_param_remainders is True  # 'auto' is on on a GPU
+    seed = SEED["28"]
+    assert all(getattr(cfg.model, k) == seed[k] for k in ("num_layers", "hidden_size", "num_attention_heads",
+                                                           "ffn_hidden_size", "kv_channels", "seq_length"))
+    assert auto_plan(cfg, MACHINES["h200"]).fits
+
+
 def test_presets_list_names_every_preset():
     proc = run_cli("presets", "list")
     assert proc.returncode == 0
-    for name in ("tiny", "125m", "1.3b", "28", "55", "h200-5b", "h200-16b", "custom"):
+    for name in ("tiny", "125m", "1.3b", "28", "55", "h200-5b", "h200-16b", "h200-28b", "custom"):
         assert any(line.split()[0] == name for line in proc.stdout.splitlines()[1:]), name
     rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines()[1:]}
     assert rows["tiny"][5] == "0.14M" and rows["125m"][5] == "124.5M" and rows["55"][5] == "55.198B"
