@@ -235,7 +235,13 @@ def train(
     if nproc_per_node < 1:
         fail(f"--nproc-per-node must be >= 1, got {nproc_per_node}")
     dp = cfg.data_parallel_size(nproc_per_node * nnodes)
-    cfg.check_device(on_gpu)
+    try:
+        cfg.check_device(on_gpu)
+    except ConfigError as exc:
+        if dry_run and not on_gpu and wanted is None:  # a CPU job here only because it named no GPUs
+            raise ConfigError(f"{exc} (no GPU is visible here: a dry run of a GPU job names its GPUs, "
+                              f"--nproc-per-node N or --machine NAME)") from None
+        raise
     cfg.data.check_files()
     if not cfg.data.is_mock:  # the tokenizer's vocabulary against the model's, before anything is launched
         from angelgpt.data.tokenizer import check_vocabulary, load_tokenizer

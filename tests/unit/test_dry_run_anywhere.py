@@ -76,6 +76,8 @@ def test_device_cuda_dry_run_without_a_gpu(no_gpu):
     ((*JOB, "--device", "cpu"), "model.recompute 'full' needs CUDA"),  # a CPU dry run keeps the CPU checks
     (("train", "--size", "tiny", "--device", "cpu", "--dry-run", "--machine", "a100-40gx8"), "a GPU machine"),
     (JOB[:-1], "model.recompute 'full' needs CUDA"),  # not a dry run: this machine runs it, and refuses
+    # naming no GPUs, a dry run here is of a CPU job: refused, saying how a GPU job's dry run names them
+    (("train", "--size", "h200-28b", "--dry-run"), "a dry run of a GPU job names its GPUs, --nproc-per-node N"),
     (("train", "--size", "55", "--device", "cuda"), "no CUDA GPU is visible"),
 ])
 def test_bad_input_is_still_one_line(no_gpu, args, needle):
