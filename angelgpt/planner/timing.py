@@ -16,8 +16,7 @@ from angelgpt.planner.calibration import (CPU_BESIDE_DEVICE_UPDATE, DEVICE_UPDAT
 from angelgpt.planner.machines import Machine
 
 
-def host_update_rates(hw: Machine, gpus_per_node: int, cpu_adam: str = "auto", fp8: bool = False,
-                      device_bytes: float = DEVICE_UPDATE_BYTES):
+def host_update_rates(hw: Machine, gpus_per_node: int, cpu_adam: str, fp8: bool, device_bytes: float):
     """Parameters/s per GPU of the host update: (CPU alone, CPU beside device updates, device path);
     fp8: a moment is kept in fp8 (the CPU's rate scaled by what its path measured); device_bytes: what
     the device path moves over PCIe a parameter (the gradient up, the states up and back down)."""

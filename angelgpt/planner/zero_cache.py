@@ -126,6 +126,7 @@ def plan_step(cfg: Config, hw: Machine, gpus_per_node: int, nodes: int, rate: fl
     if zc.host_max_gib is not None:
         host_limit = min(host_limit, zc.host_max_gib * GIB)
     fraction = device_update_fraction(cfg, hw, gpus_per_node, nodes)
+    remainders, states = states_per_element(cfg)
     numels, tiers, tb, offloaded, streamed = rank_tier_bytes(cfg, dp, 0, float(rate), host_limit, use_nvme,
                                                              pp_rank=pp_rank, fraction=fraction)
     largest_layer = max(sub_group_numels(params).values())  # the largest sub-group, all of it (as the optimizer counts)
@@ -149,8 +150,7 @@ def plan_step(cfg: Config, hw: Machine, gpus_per_node: int, nodes: int, rate: fl
         uploads.remove(n)
     host = {
         "host_states": tb["host"],
-        "upload_buffers": (upload_buffers(states_per_element(cfg)[0]) * min(max(uploads), SLICE) * MODEL_BYTES
-                           if uploads else 0),
+        "upload_buffers": upload_buffers(remainders) * min(max(uploads), SLICE) * MODEL_BYTES if uploads else 0,
         "process": HOST_PROCESS,
     }
     mb = cfg.num_microbatches(dp)
@@ -169,7 +169,7 @@ def plan_step(cfg: Config, hw: Machine, gpus_per_node: int, nodes: int, rate: fl
     cpu = cpu_work / cpu_shared if cpu_work <= cpu_shared * beside else beside + (
         cpu_work - cpu_shared * beside) / cpu_alone
     cpu = max(cpu, beside)
-    nvme_io = 2 * nvme_numel * states_per_element(cfg)[1] * gpus_per_node / (hw.nvme_gbs * 1e9)
+    nvme_io = 2 * nvme_numel * states * gpus_per_node / (hw.nvme_gbs * 1e9)
     network = 0.0
     if dp > 1:  # fp32 reduce-scatter in backward, bf16 all-gather before forward
         network = (dp - 1) / dp * model_numel * (4 + MODEL_BYTES) / (hw.net_gbps * 1e9)

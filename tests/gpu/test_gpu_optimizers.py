@@ -54,7 +54,7 @@ def test_optimizer_saves_resumes_and_exports_on_gpu(case, tmp_path):
     from transformers import GPT2LMHeadModel
 
     extra = list(CASES[case])
-    if "zero_cache.host_max_gib=0.0021" in extra:
+    if any(w.startswith("zero_cache.host_max_gib=") for w in extra):  # a host budget that leaves NVMe chunks
         extra.append(f"zero_cache.nvme_path={tmp_path / 'nvme'}")
     ck = tmp_path / "ck"
     full = _train(tmp_path, "full", *extra, f"checkpoint.save={ck}", f"checkpoint.save_interval={SAVED}")
