@@ -74,7 +74,7 @@ def launch(cfg, size, config, extra, on_gpu: bool, gpu_here: bool, target, dp: i
         return
     from angelgpt.train.worker import RUN_CONFIG_ENV
 
-    env = launch.worker_env(on_gpu, rdzv.nproc_per_node, cfg.optim.optimizer)
+    env = launch.worker_env(on_gpu, rdzv.nproc_per_node, cfg.optim.optimizer, rdzv.max_restarts)
     warning = launch.queue_warning(env, on_gpu, cfg.optim.optimizer)
     if warning:
         print(warning, file=sys.stderr, flush=True)

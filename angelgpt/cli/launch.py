@@ -46,7 +46,7 @@ def torchrun_command(rdzv: Rendezvous, worker_args: List[str]) -> List[str]:
     return cmd + ["-m", "angelgpt.train.worker"] + worker_args
 
 
-def worker_env(on_gpu: bool, nproc_per_node: int, optimizer: str = "megatron") -> dict:
+def worker_env(on_gpu: bool, nproc_per_node: int, optimizer: str = "megatron", max_restarts: int = 0) -> dict:
     env = dict(os.environ)
     if optimizer != "zero_cache":
         # Megatron's launch scripts use one hardware work queue; ZeRO-Cache needs several, or its
@@ -55,9 +55,12 @@ def worker_env(on_gpu: bool, nproc_per_node: int, optimizer: str = "megatron") -
     env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, nproc_per_node))))
     env.setdefault("PYTHONWARNINGS", "ignore")
-    # workers sharing torchrun's rendezvous store read the previous attempt's addresses after a
-    # restart (pytorch/pytorch#135712); their own store keeps --max-restarts working
-    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    if max_restarts:
+        # workers sharing torchrun's rendezvous store read the previous attempt's addresses after a
+        # restart (pytorch/pytorch#135712); their own store keeps --max-restarts working. Without
+        # restarts they share it: their own store listens on a port torchrun found free and let go,
+        # which another job starting beside this one may take first (EADDRINUSE before any step)
+        env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     # the workers end themselves when this launcher is gone (angelgpt.train.lifetime.watch_launcher)
     env[LAUNCHER_PID_ENV] = str(os.getpid())
     return env

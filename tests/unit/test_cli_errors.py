@@ -80,3 +80,14 @@ def test_worker_env_gives_zero_cache_several_hardware_queues(monkeypatch):
     assert env["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
     assert "CUDA_DEVICE_MAX_CONNECTIONS=1" in launch.queue_warning(env, True, "zero_cache")
     assert launch.queue_warning(env, True, "megatron") is None and launch.queue_warning(env, False, "zero_cache") is None
+
+
+def test_workers_share_torchruns_store_unless_restarts_are_asked_for(monkeypatch):
+    """A store of the workers' own listens on a port torchrun found free and let go, which a job starting
+    beside this one may take first (EADDRINUSE before any step); they keep one only where --max-restarts
+    needs it (pytorch/pytorch#135712: a shared store hands a restarted worker the previous addresses)."""
+    from angelgpt.cli import launch
+
+    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in launch.worker_env(False, 2, "zero_cache")
+    assert launch.worker_env(False, 2, "zero_cache", max_restarts=1)["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
