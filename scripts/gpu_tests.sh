@@ -21,17 +21,27 @@ python3 -m pytest -q -p no:cacheprovider -n "${PYTEST_WORKERS:-6}" --junitxml "$
   "${@:-tests/gpu}"
 code=$?
 python3 - "$junit" "$result" "$started" "$code" "$*" <<'PY'
-import json, os, socket, subprocess, sys, xml.etree.ElementTree as ET
+import json, os, re, socket, subprocess, sys, xml.etree.ElementTree as ET
 from pathlib import Path
 
 junit, result, started, code, args = sys.argv[1:]
+
+
+def why(message: str) -> str:
+    """A failure's first line and its last error line (an assertion's message may print a whole config
+    before the child process's error at its end)."""
+    lines = [l.strip() for l in message.strip().splitlines() if l.strip()]
+    errors = [l for l in lines[1:] if re.search(r"(Error|Exception|error): *\S", l)]
+    return (lines[0][:240] + (" ... " + errors[-1][:400] if errors else "")) if lines else ""
+
+
 tests = []
 for case in ET.parse(junit).iter("testcase"):
     outcome, message = "passed", None
     for child in case:
         if child.tag in ("failure", "error"):
             outcome = "failed" if child.tag == "failure" else "error"
-            message = (child.get("message") or "").strip()[:500]  # why, kept with the outcome
+            message = why(child.get("message") or "")  # kept with the outcome
         elif child.tag == "skipped":
             outcome = "skipped"
     path = case.get("file") or case.get("classname", "").replace(".", "/") + ".py"
