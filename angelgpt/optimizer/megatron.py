@@ -3,13 +3,18 @@ Megatron's HybridDeviceOptimizer) behind angelgpt's optimizer contract, on GPU: 
 DistributedDataParallel steps from its gradient buffer (main_grad; fp32 with
 optim.accumulate_grads_in_fp32, DistributedDataParallelConfig's grad_reduce_in_fp32, set where the
 worker wraps the model). Its checkpoint format is Megatron's dp_reshardable (CHECKPOINT_METADATA).
+
+The CPU offload without transformer-engine: Megatron's main params are fp32 already, so the
+HybridDeviceOptimizer's fp32 copies (param_update_in_fp32) are none; with that flag on, its reload hook
+looks every param up among those copies and fails. The flag is turned off (no copies, the same updates),
+and after a load the host copies it steps are refreshed from the loaded main params.
 """
 
 from __future__ import annotations
 
 import torch
 
-from angelgpt.config import Config, ConfigError
+from angelgpt.config import Config
 from angelgpt.optimizer.base import Optimizer
 
 
@@ -37,11 +42,6 @@ class MegatronDistributedOptimizer(Optimizer):
         """Megatron's distributed-optimizer state in the format `metadata` names (Megatron's
         `distrib_optim_sharding_type`: `dp_reshardable` unless the checkpoint says otherwise; megatron-core's
         own default, `fully_sharded_model_space`, is deprecated and refuses the model's tensors)."""
-        if is_loading and self.offloaded:
-            raise ConfigError("checkpoint.load: optim.optimizer 'megatron_cpu_offload' cannot resume its "
-                              "optimizer state with megatron-core 0.16 without transformer-engine (Megatron's "
-                              "HybridDeviceOptimizer fails reloading it); resume with optim.optimizer=megatron, "
-                              "or export the checkpoint")
         if is_loading:
             for inner in getattr(self.inner, "chained_optimizers", [self.inner]):
                 if not any("step" in s for s in inner.optimizer.state.values()):
@@ -53,6 +53,16 @@ class MegatronDistributedOptimizer(Optimizer):
 
     def load_state_dict(self, state: dict) -> None:
         self.inner.load_state_dict(state)
+        if self.offloaded:  # the loaded main params into the host copies the CPU Adam steps
+            for hybrid in _hybrid_optimizers(self.inner):
+                for main_param, host_copy in hybrid.gpu_params_map_cpu_copy.items():
+                    host_copy.data.copy_(main_param.data)
+            torch.cuda.synchronize()
+
+
+def _hybrid_optimizers(megatron_optimizer):
+    """The HybridDeviceOptimizers inside Megatron's (chained) distributed optimizer."""
+    return [inner.optimizer for inner in getattr(megatron_optimizer, "chained_optimizers", [megatron_optimizer])]
 
 
 def _placeholder_states(torch_optimizer) -> None:
@@ -91,5 +101,9 @@ def build_megatron_optimizer(model, cfg: Config, gloo_groups: bool = True) -> Me
         clip_grad=o.clip_grad, bf16=True, params_dtype=torch.bfloat16,
         use_distributed_optimizer=True, **offload,
     )
-    return MegatronDistributedOptimizer(model, get_megatron_optimizer(
-        opt_config, [model], use_gloo_process_groups=gloo_groups), offloaded=bool(offload))
+    optimizer = get_megatron_optimizer(opt_config, [model], use_gloo_process_groups=gloo_groups)
+    if offload:
+        for hybrid in _hybrid_optimizers(optimizer):
+            if not hybrid.param_to_fp32_param:  # Megatron's fp32 main params: no copies (the module's note)
+                hybrid.param_update_in_fp32 = False
+    return MegatronDistributedOptimizer(model, optimizer, offloaded=bool(offload))
