@@ -7,12 +7,12 @@ worker wraps the model). Its checkpoint format is Megatron's dp_reshardable (CHE
 The CPU offload without transformer-engine: Megatron's main params are fp32 already, so the
 HybridDeviceOptimizer's fp32 copies (param_update_in_fp32) are none; with that flag on, its reload hook
 looks every param up among those copies and fails. The flag is turned off (no copies, the same updates).
-After a load (`_settle_after_load`): Megatron's load without transformer-engine gives every param's state
-one shared `step` tensor, which each of the HybridDeviceOptimizer's CPU Adams (one a param) would then
-advance; its reload moves every sub-optimizer's states to the host, the GPU Adam's too (both are torch's
+After a load (`_settle_after_load`): Megatron's load without transformer-engine leaves the states a `step`
+that is not the checkpoint's (one tensor shared by every param, which each of the HybridDeviceOptimizer's
+CPU Adams, one a param, would advance, then overwritten by the placeholder states' step); its reload moves every sub-optimizer's states to the host, the GPU Adam's too (both are torch's
 AdamW, which it tells apart by class); and the host copies its CPU Adams step hold the weights from before
-the load. Each state goes back to its param's device with a `step` of its own, and the host copies take
-the loaded main params.
+the load. Each state goes back to its param's device with a `step` of its own, the checkpoint's (which
+Megatron's param groups carry), and the host copies take the loaded main params.
 """
 
 from __future__ import annotations
@@ -65,14 +65,19 @@ class MegatronDistributedOptimizer(Optimizer):
 
 def _settle_after_load(hybrid) -> None:
     """A HybridDeviceOptimizer after Megatron loaded it (the module's note): each sub-optimizer's states
-    on its param's device, each `step` its own tensor, the host copies equal to the loaded main params.
+    on its param's device, each `step` its own tensor holding the checkpoint's step, the host copies
+    equal to the loaded main params.
     The state dicts are the HybridDeviceOptimizer's own (shared with its sub-optimizers): changed in place."""
     for sub in hybrid.sub_optimizers:
-        for param, param_state in sub.state.items():
-            for key, value in list(param_state.items()):
-                if torch.is_tensor(value):
-                    value = value.to(param.device)
-                    param_state[key] = value.clone() if key == "step" else value
+        for group in sub.param_groups:  # the checkpoint's step: Megatron's param groups carry it
+            for param in group["params"]:
+                param_state = sub.state[param]
+                for key, value in list(param_state.items()):
+                    if torch.is_tensor(value):
+                        param_state[key] = value.to(param.device)
+                if "step" in group:
+                    param_state["step"] = torch.tensor(float(group["step"]), dtype=torch.float32,
+                                                       device=param.device)
     for main_param, host_copy in hybrid.gpu_params_map_cpu_copy.items():
         host_copy.data.copy_(main_param.data)
     torch.cuda.synchronize()
