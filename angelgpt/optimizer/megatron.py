@@ -3,23 +3,13 @@ Megatron's HybridDeviceOptimizer) behind angelgpt's optimizer contract, on GPU: 
 DistributedDataParallel steps from its gradient buffer (main_grad; fp32 with
 optim.accumulate_grads_in_fp32, DistributedDataParallelConfig's grad_reduce_in_fp32, set where the
 worker wraps the model). Its checkpoint format is Megatron's dp_reshardable (CHECKPOINT_METADATA).
-
-The CPU offload without transformer-engine: Megatron's main params are fp32 already, so the
-HybridDeviceOptimizer's fp32 copies (param_update_in_fp32) are none; with that flag on, its reload hook
-looks every param up among those copies and fails. The flag is turned off (no copies, the same updates).
-After a load (`_settle_after_load`): Megatron's load without transformer-engine leaves the states a `step`
-that is not the checkpoint's (one tensor shared by every param, which each of the HybridDeviceOptimizer's
-CPU Adams, one a param, would advance, then overwritten by the placeholder states' step); its reload moves every sub-optimizer's states to the host, the GPU Adam's too (both are torch's
-AdamW, which it tells apart by class); and the host copies its CPU Adams step hold the weights from before
-the load. Each state goes back to its param's device with a `step` of its own, the checkpoint's (which
-Megatron's param groups carry), and the host copies take the loaded main params.
 """
 
 from __future__ import annotations
 
 import torch
 
-from angelgpt.config import Config
+from angelgpt.config import Config, ConfigError
 from angelgpt.optimizer.base import Optimizer
 
 
@@ -47,6 +37,11 @@ class MegatronDistributedOptimizer(Optimizer):
         """Megatron's distributed-optimizer state in the format `metadata` names (Megatron's
         `distrib_optim_sharding_type`: `dp_reshardable` unless the checkpoint says otherwise; megatron-core's
         own default, `fully_sharded_model_space`, is deprecated and refuses the model's tensors)."""
+        if is_loading and self.offloaded:
+            raise ConfigError("checkpoint.load: optim.optimizer 'megatron_cpu_offload' cannot resume its "
+                              "optimizer state with megatron-core 0.16 without transformer-engine (Megatron's "
+                              "HybridDeviceOptimizer fails reloading it); resume with optim.optimizer=megatron, "
+                              "or export the checkpoint")
         if is_loading:
             for inner in getattr(self.inner, "chained_optimizers", [self.inner]):
                 if not any("step" in s for s in inner.optimizer.state.values()):
@@ -58,34 +53,6 @@ class MegatronDistributedOptimizer(Optimizer):
 
     def load_state_dict(self, state: dict) -> None:
         self.inner.load_state_dict(state)
-        if self.offloaded:
-            for hybrid in _hybrid_optimizers(self.inner):
-                _settle_after_load(hybrid)
-
-
-def _settle_after_load(hybrid) -> None:
-    """A HybridDeviceOptimizer after Megatron loaded it (the module's note): each sub-optimizer's states
-    on its param's device, each `step` its own tensor holding the checkpoint's step, the host copies
-    equal to the loaded main params.
-    The state dicts are the HybridDeviceOptimizer's own (shared with its sub-optimizers): changed in place."""
-    for sub in hybrid.sub_optimizers:
-        for group in sub.param_groups:  # the checkpoint's step: Megatron's param groups carry it
-            for param in group["params"]:
-                param_state = sub.state[param]
-                for key, value in list(param_state.items()):
-                    if torch.is_tensor(value):
-                        param_state[key] = value.to(param.device)
-                if "step" in group:
-                    param_state["step"] = torch.tensor(float(group["step"]), dtype=torch.float32,
-                                                       device=param.device)
-    for main_param, host_copy in hybrid.gpu_params_map_cpu_copy.items():
-        host_copy.data.copy_(main_param.data)
-    torch.cuda.synchronize()
-
-
-def _hybrid_optimizers(megatron_optimizer):
-    """The HybridDeviceOptimizers inside Megatron's (chained) distributed optimizer."""
-    return [inner.optimizer for inner in getattr(megatron_optimizer, "chained_optimizers", [megatron_optimizer])]
 
 
 def _placeholder_states(torch_optimizer) -> None:
@@ -124,9 +91,5 @@ def build_megatron_optimizer(model, cfg: Config, gloo_groups: bool = True) -> Me
         clip_grad=o.clip_grad, bf16=True, params_dtype=torch.bfloat16,
         use_distributed_optimizer=True, **offload,
     )
-    optimizer = get_megatron_optimizer(opt_config, [model], use_gloo_process_groups=gloo_groups)
-    if offload:
-        for hybrid in _hybrid_optimizers(optimizer):
-            if not hybrid.param_to_fp32_param:  # Megatron's fp32 main params: no copies (the module's note)
-                hybrid.param_update_in_fp32 = False
-    return MegatronDistributedOptimizer(model, optimizer, offloaded=bool(offload))
+    return MegatronDistributedOptimizer(model, get_megatron_optimizer(
+        opt_config, [model], use_gloo_process_groups=gloo_groups), offloaded=bool(offload))

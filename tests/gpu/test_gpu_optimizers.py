@@ -17,8 +17,6 @@ CASES = {
     "megatron": ["optim.optimizer=megatron"],
     "megatron-async": ["optim.optimizer=megatron", "checkpoint.async_save=true"],
     "megatron_cpu_offload-async": ["optim.optimizer=megatron_cpu_offload", "checkpoint.async_save=true"],
-    # half the states on the GPU (Megatron's HybridDeviceOptimizer keeps a GPU Adam beside the CPU one)
-    "megatron_cpu_offload-half": ["optim.optimizer=megatron_cpu_offload", "optim.offload_fraction=0.5"],
     "zero_cache-rate0.0": [ZC, "zero_cache.prefetch_cache_sub_group_rate=0.0"],
     # offloaded weights, gradients accumulated in the store (two micro batches a step)
     "zero_cache-rate0.5-offloaded-in-store": [ZC, "zero_cache.prefetch_cache_sub_group_rate=0.5",
@@ -70,11 +68,15 @@ def test_optimizer_saves_resumes_and_exports_on_gpu(case, tmp_path):
     resume.mkdir()
     (resume / "iter_0000006").symlink_to(ck / "iter_0000006")
     (resume / "latest_checkpointed_iteration.txt").write_text(f"{SAVED}\n")
-    resumed = _train(tmp_path, "resumed", *extra, f"checkpoint.load={resume}")
-    assert [r["iteration"] for r in resumed] == list(range(SAVED + 1, ITERS + 1))
-    by_iter = {r["iteration"]: r["lm_loss"] for r in full}
-    for r in resumed:
-        assert r["lm_loss"] == pytest.approx(by_iter[r["iteration"]], rel=2e-3), (r, by_iter)
+    if case.startswith("megatron_cpu_offload"):  # refused in one line: Megatron's HybridDeviceOptimizer
+        proc = run_cli("train", "--size", "tiny", "--device", "cuda", *extra, f"checkpoint.load={resume}")
+        assert proc.returncode == 2 and "cannot resume its optimizer state" in proc.stderr, proc.stderr[-3000:]
+    else:
+        resumed = _train(tmp_path, "resumed", *extra, f"checkpoint.load={resume}")
+        assert [r["iteration"] for r in resumed] == list(range(SAVED + 1, ITERS + 1))
+        by_iter = {r["iteration"]: r["lm_loss"] for r in full}
+        for r in resumed:
+            assert r["lm_loss"] == pytest.approx(by_iter[r["iteration"]], rel=2e-3), (r, by_iter)
 
     out = tmp_path / "hf"
     proc = run_cli_in_process("export", "--load", ck, "--output", out)
