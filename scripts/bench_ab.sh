@@ -27,7 +27,8 @@ for case in "$@"; do
     sha=$(cut -c1-7 "$tree/.commit")
     more=""
     if [ "$tree" = "$new" ]; then more="${NEW_EXTRA:-} $pins"; fi
-    python3 "$new/scripts/bench_train.py" --name "$prefix-$name-at-$sha" --size h200-16b --iters "${ITERS:-5}" \
+    # the commit each result records is its tree's (an ANGELGPT_COMMIT set for the call would name every run's)
+    ANGELGPT_COMMIT=$(cat "$tree/.commit") python3 "$new/scripts/bench_train.py" --name "$prefix-$name-at-$sha" --size h200-16b --iters "${ITERS:-5}" \
       --warmup "${WARMUP:-2}" --out "$outdir" --root "$tree" model.num_layers="$layers" \
       train.micro_batch_size="$micro" train.global_batch_size="$global" optim.lr_warmup_iters=1 \
       zero_cache.is_communication_time_profiling=true ${extra//,/ } $more 2>&1 | grep -E "^(wrote|plan:|resolved:|angelgpt)" | cut -c1-400
