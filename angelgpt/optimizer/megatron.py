@@ -3,13 +3,26 @@ Megatron's HybridDeviceOptimizer) behind angelgpt's optimizer contract, on GPU: 
 DistributedDataParallel steps from its gradient buffer (main_grad; fp32 with
 optim.accumulate_grads_in_fp32, DistributedDataParallelConfig's grad_reduce_in_fp32, set where the
 worker wraps the model). Its checkpoint format is Megatron's dp_reshardable (CHECKPOINT_METADATA).
+
+Adam's `step` after a load, without transformer-engine (`_checkpoint_steps`): Megatron's load gives every
+param's state one shared `step` tensor (torch's AdamW then advances it once per param a step), and copies
+into it the step of the states the load request was built from (the placeholder states' 1), not the
+checkpoint's. Each state gets a `step` of its own holding the checkpoint's, which Megatron's loaded param
+groups carry, where torch's AdamW keeps it (the param's device when fused, else the host).
+
+The CPU offload (Megatron's HybridDeviceOptimizer) also: its params are Megatron's fp32 main params, so it
+keeps no fp32 copies (param_update_in_fp32), and with that flag on its reload hook looks every param up
+among those copies and fails: the flag is turned off (no copies, the same updates). Its reload moves every
+sub-optimizer's states to the host, the GPU Adam's too (both are torch's AdamW, which it tells apart by
+class), and the host copies its CPU Adams step hold the weights from before the load: after the load the
+states go back to their params' devices and the host copies take the loaded main params.
 """
 
 from __future__ import annotations
 
 import torch
 
-from angelgpt.config import Config, ConfigError
+from angelgpt.config import Config
 from angelgpt.optimizer.base import Optimizer
 
 
@@ -37,11 +50,6 @@ class MegatronDistributedOptimizer(Optimizer):
         """Megatron's distributed-optimizer state in the format `metadata` names (Megatron's
         `distrib_optim_sharding_type`: `dp_reshardable` unless the checkpoint says otherwise; megatron-core's
         own default, `fully_sharded_model_space`, is deprecated and refuses the model's tensors)."""
-        if is_loading and self.offloaded:
-            raise ConfigError("checkpoint.load: optim.optimizer 'megatron_cpu_offload' cannot resume its "
-                              "optimizer state with megatron-core 0.16 without transformer-engine (Megatron's "
-                              "HybridDeviceOptimizer fails reloading it); resume with optim.optimizer=megatron, "
-                              "or export the checkpoint")
         if is_loading:
             for inner in getattr(self.inner, "chained_optimizers", [self.inner]):
                 if not any("step" in s for s in inner.optimizer.state.values()):
@@ -53,6 +61,46 @@ class MegatronDistributedOptimizer(Optimizer):
 
     def load_state_dict(self, state: dict) -> None:
         self.inner.load_state_dict(state)
+        for torch_optimizer in _torch_optimizers(self.inner):
+            if self.offloaded:  # a HybridDeviceOptimizer
+                _settle_hybrid(torch_optimizer)
+                for sub in torch_optimizer.sub_optimizers:
+                    _checkpoint_steps(sub)
+            else:
+                _checkpoint_steps(torch_optimizer)
+
+
+def _checkpoint_steps(torch_optimizer) -> None:
+    """Each param's Adam `step` its own tensor holding the checkpoint's step (the module's note), on the
+    param's device where the Adam is fused or capturable, else on the host, as torch's AdamW keeps it."""
+    for group in torch_optimizer.param_groups:
+        if "step" not in group:
+            continue
+        on_device = bool(group.get("fused") or group.get("capturable"))
+        for param in group["params"]:
+            param_state = torch_optimizer.state.get(param)
+            if param_state and "step" in param_state:
+                param_state["step"] = torch.tensor(float(group["step"]), dtype=torch.float32,
+                                                   device=param.device if on_device else "cpu")
+
+
+def _settle_hybrid(hybrid) -> None:
+    """A HybridDeviceOptimizer after Megatron loaded it (the module's note): each sub-optimizer's states
+    on its param's device, the host copies equal to the loaded main params. The state dicts are the
+    HybridDeviceOptimizer's own (shared with its sub-optimizers): changed in place."""
+    for sub in hybrid.sub_optimizers:
+        for param, param_state in sub.state.items():
+            for key, value in list(param_state.items()):
+                if torch.is_tensor(value):
+                    param_state[key] = value.to(param.device)
+    for main_param, host_copy in hybrid.gpu_params_map_cpu_copy.items():
+        host_copy.data.copy_(main_param.data)
+    torch.cuda.synchronize()
+
+
+def _torch_optimizers(megatron_optimizer):
+    """The torch optimizers (or HybridDeviceOptimizers) inside Megatron's (chained) distributed optimizer."""
+    return [inner.optimizer for inner in getattr(megatron_optimizer, "chained_optimizers", [megatron_optimizer])]
 
 
 def _placeholder_states(torch_optimizer) -> None:
@@ -91,5 +139,9 @@ def build_megatron_optimizer(model, cfg: Config, gloo_groups: bool = True) -> Me
         clip_grad=o.clip_grad, bf16=True, params_dtype=torch.bfloat16,
         use_distributed_optimizer=True, **offload,
     )
-    return MegatronDistributedOptimizer(model, get_megatron_optimizer(
-        opt_config, [model], use_gloo_process_groups=gloo_groups), offloaded=bool(offload))
+    optimizer = get_megatron_optimizer(opt_config, [model], use_gloo_process_groups=gloo_groups)
+    if offload:
+        for hybrid in _torch_optimizers(optimizer):
+            if not hybrid.param_to_fp32_param:  # Megatron's fp32 main params: no copies (the module's note)
+                hybrid.param_update_in_fp32 = False
+    return MegatronDistributedOptimizer(model, optimizer, offloaded=bool(offload))

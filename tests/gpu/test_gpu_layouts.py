@@ -60,8 +60,10 @@ def test_every_optimizer_and_build_starts_from_the_same_model(tmp_path):
 
 
 RESHARDS = {
-    # Megatron's default format (dp_reshardable) resumes at another data-parallel size
+    # Megatron's default format (dp_reshardable) resumes at another data-parallel size, with its CPU
+    # offload too
     "megatron-dp2-to-dp1": ("megatron", 2, [], 1, []),
+    "megatron_cpu_offload-dp2-to-dp1": ("megatron_cpu_offload", 2, [], 1, []),
     "zero_cache-tp2pp2-to-dp2": ("zero_cache", 4, [TP2, PP2], 2, []),
     "zero_cache-dp2-to-tp2-sp": ("zero_cache", 2, [], 2, [TP2, SP]),
 }
@@ -72,11 +74,12 @@ def test_checkpoint_resumes_at_another_layout_on_one_gpu(case, tmp_path):
     """Saved at iteration 5 of 10 at one layout, resumed at another: iterations 6-10 give the losses
     the saving run went on to (the same states and data; only the order of sums differs)."""
     name, n_save, save_layout, n_load, load_layout = RESHARDS[case]
+    optimizer = OPTIMIZERS.get(name, [f"optim.optimizer={name}"])
     ck = tmp_path / "ck"
-    saved = train_shared_gpu(tmp_path, "saved", *OPTIMIZERS[name], *save_layout, f"train.train_iters={ITERS}",
+    saved = train_shared_gpu(tmp_path, "saved", *optimizer, *save_layout, f"train.train_iters={ITERS}",
                              f"checkpoint.save={ck}", "checkpoint.save_interval=5", nproc=n_save)
     (ck / "latest_checkpointed_iteration.txt").write_text("5\n")
-    resumed = train_shared_gpu(tmp_path, "resumed", *OPTIMIZERS[name], *load_layout, f"train.train_iters={ITERS}",
+    resumed = train_shared_gpu(tmp_path, "resumed", *optimizer, *load_layout, f"train.train_iters={ITERS}",
                                f"checkpoint.load={ck}", nproc=n_load)
     assert [r["iteration"] for r in resumed] == list(range(6, ITERS + 1))
     assert _losses(resumed) == pytest.approx(_losses(saved)[5:], rel=1e-2), (_losses(resumed), _losses(saved))
