@@ -51,9 +51,9 @@ class MegatronDistributedOptimizer(Optimizer):
         `distrib_optim_sharding_type`: `dp_reshardable` unless the checkpoint says otherwise; megatron-core's
         own default, `fully_sharded_model_space`, is deprecated and refuses the model's tensors)."""
         if is_loading:
-            for inner in getattr(self.inner, "chained_optimizers", [self.inner]):
-                if not any("step" in s for s in inner.optimizer.state.values()):
-                    _placeholder_states(inner.optimizer)
+            for torch_optimizer in _torch_optimizers(self.inner):
+                if not any("step" in s for s in torch_optimizer.state.values()):
+                    _placeholder_states(torch_optimizer)
         metadata = dict(metadata or {})
         metadata.setdefault("distrib_optim_sharding_type", DP_RESHARDABLE)
         metadata.setdefault("chained_optim_avoid_prefix", True)

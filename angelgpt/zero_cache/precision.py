@@ -32,6 +32,8 @@ continues as the uninterrupted run would. A value already a code times the scale
 
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
@@ -169,6 +171,24 @@ def _moment_name(kind: str) -> str:
     return "fp8 (E4M3, a scale per 256)" if kind == "fp8" else kind
 
 
+@functools.lru_cache(maxsize=None)
+def _triton_codec():
+    """triton_codec (the same conversions as Triton kernels), or None where Triton does not import."""
+    try:
+        from angelgpt.zero_cache import triton_codec
+    except ImportError:
+        return None
+    return triton_codec
+
+
+def _kernels_for(*tensors: torch.Tensor):
+    """triton_codec where it takes these tensors (contiguous, on CUDA, Triton there, and
+    ANGELGPT_ZERO_CACHE_TRITON not 0), else None: torch's ops convert them."""
+    if all(t.is_cuda and t.is_contiguous() for t in tensors) and os.environ.get("ANGELGPT_ZERO_CACHE_TRITON") != "0":
+        return _triton_codec()
+    return None
+
+
 def decoded_master(fmt: StateFormat, states, hi: Optional[torch.Tensor]) -> torch.Tensor:
     """The fp32 masters of a chunk's states (its rows as StateFormat.states gives them; hi: its bf16
     weights where the master row holds remainders), as a new host tensor."""
@@ -179,6 +199,9 @@ def decoded_master(fmt: StateFormat, states, hi: Optional[torch.Tensor]) -> torc
 
 def join_master(hi: torch.Tensor, rem: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """out (fp32) <- the exact master of bf16 weights hi and int16 remainders rem."""
+    kernels = _kernels_for(hi, rem, out)
+    if kernels:
+        return kernels.join(hi, rem, out)
     borrow = (rem < 0).to(torch.int32)
     upper = (hi.view(torch.int16).to(torch.int32) - borrow).to(torch.int16).to(torch.int32)  # 16-bit wrap
     bits = upper * 65536 + (rem.to(torch.int32) & 0xFFFF)  # in int32's range: no overflow
@@ -188,6 +211,9 @@ def join_master(hi: torch.Tensor, rem: torch.Tensor, out: torch.Tensor) -> torch
 
 def split_master(master: torch.Tensor, hi: torch.Tensor, rem: torch.Tensor) -> None:
     """hi (bf16) and rem (int16) <- fp32 master: the weight rounded by the remainder's top bit."""
+    kernels = _kernels_for(master, hi, rem)
+    if kernels:
+        return kernels.split(master, hi, rem)
     bits = master.view(torch.int32)
     rem.copy_((bits & 0xFFFF).to(torch.int16))  # values of 32768 and up wrap to negative (top bit set)
     hi.view(torch.int16).copy_(((bits >> 16) + ((bits & 0x8000) != 0).to(torch.int32)).to(torch.int16))
@@ -234,6 +260,9 @@ def read_moment(row, out: torch.Tensor, squared: bool = False) -> torch.Tensor:
     """out (fp32) <- a moment row's values (an fp8 exp_avg_sq: the square of what is kept)."""
     if not isinstance(row, Blockwise):
         return out.copy_(row)
+    kernels = _kernels_for(row.codes, row.scales, out)
+    if kernels:
+        return kernels.read_fp8(row.codes, row.scales, out, squared)
     n = row.numel()
     blocks = row.scales.numel()
     values = row.codes.view(torch.float8_e4m3fn).float()
@@ -251,6 +280,10 @@ def write_moment(values: torch.Tensor, row, squared: bool = False, seed: Tuple[i
     if not isinstance(row, Blockwise):
         row.copy_(values)
         return
+    kernels = _kernels_for(values, row.codes, row.scales)
+    if kernels:
+        return kernels.write_fp8(values, row.codes, row.scales, squared, salt(seed), base, _MIX[2:],
+                                 MIN_EXPONENT[squared])
     x = values.sqrt() if squared else values
     n, blocks = x.numel(), row.scales.numel()
     padded = x if n == blocks * FP8_BLOCK else torch.nn.functional.pad(x, (0, blocks * FP8_BLOCK - n))
