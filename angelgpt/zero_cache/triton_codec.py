@@ -13,6 +13,8 @@ not import, torch's ops do the work); ANGELGPT_ZERO_CACHE_TRITON=0 keeps torch's
 """
 
 
+import threading
+
 import torch
 import triton
 import triton.language as tl
@@ -21,6 +23,10 @@ from angelgpt.zero_cache.placement import FP8_BLOCK
 
 ROWS = 8  # fp8 blocks per program
 BLOCK = 1024  # elements per program of the master's split and join
+# launches one thread at a time: a kernel's first launch with new argument properties compiles it, and
+# Triton's compilation is not safe from two threads at once (the training thread updates device chunks
+# while the device-update thread updates host chunks)
+_LAUNCH = threading.Lock()
 
 
 @triton.jit(do_not_specialize=["salt", "base", "mix2", "mix3", "mix4"])
@@ -110,26 +116,30 @@ def write_fp8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, square
               mix, min_exponent: int) -> None:
     """codes, scales <- fp32 x (precision.write_moment of a Blockwise row)."""
     n = x.numel()
-    _write_fp8_kernel[_grid(n, ROWS * FP8_BLOCK)](
-        x, codes, scales, n, scales.numel(), salt, base & 0xFFFFFFFF, *mix,
-        SQUARED=squared, MIN_EXP=min_exponent, R=ROWS, B=FP8_BLOCK)
+    with _LAUNCH:
+        _write_fp8_kernel[_grid(n, ROWS * FP8_BLOCK)](
+            x, codes, scales, n, scales.numel(), salt, base & 0xFFFFFFFF, *mix,
+            SQUARED=squared, MIN_EXP=min_exponent, R=ROWS, B=FP8_BLOCK)
 
 
 def read_fp8(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, squared: bool) -> torch.Tensor:
     """out <- the values of codes times their block's scale (squared: their squares)."""
     n = codes.numel()
-    _read_fp8_kernel[_grid(n, ROWS * FP8_BLOCK)](codes, scales, out, n, SQUARED=squared, R=ROWS, B=FP8_BLOCK)
+    with _LAUNCH:
+        _read_fp8_kernel[_grid(n, ROWS * FP8_BLOCK)](codes, scales, out, n, SQUARED=squared, R=ROWS, B=FP8_BLOCK)
     return out
 
 
 def join(hi: torch.Tensor, rem: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """out (fp32) <- the masters of bf16 weights hi and int16 remainders rem."""
     n = out.numel()
-    _join_kernel[_grid(n, BLOCK)](hi.view(torch.int16), rem, out, n, B=BLOCK)
+    with _LAUNCH:
+        _join_kernel[_grid(n, BLOCK)](hi.view(torch.int16), rem, out, n, B=BLOCK)
     return out
 
 
 def split(master: torch.Tensor, hi: torch.Tensor, rem: torch.Tensor) -> None:
     """hi (bf16), rem (int16) <- fp32 masters."""
     n = master.numel()
-    _split_kernel[_grid(n, BLOCK)](master, hi.view(torch.int16), rem, n, B=BLOCK)
+    with _LAUNCH:
+        _split_kernel[_grid(n, BLOCK)](master, hi.view(torch.int16), rem, n, B=BLOCK)
