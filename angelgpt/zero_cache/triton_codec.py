@@ -5,8 +5,9 @@ stochastic rounding, the blockwise scales), each a pass over memory: on the GPU 
 host chunks was bound by them, not by PCIe. These Triton kernels do each of precision.py's four
 conversions in one pass, with the same integer arithmetic (the random bits in 32-bit unsigned
 arithmetic, which is what precision.py's masked int64 arithmetic computes) and only exact or
-correctly rounded float operations (sqrt_rn, div_rn; products with powers of two), so they write
-what torch's ops write, bit for bit (tests/gpu checks it on random and edge values).
+correctly rounded float operations (sqrt_rn, div_rn), and the decoded values built from their integer
+parts (a float product in a Triton kernel may flush subnormal results to zero), so they write what
+torch's ops write, bit for bit (tests/gpu checks it on random and edge values).
 
 precision.py imports this module on the first contiguous CUDA tensors it converts (where Triton does
 not import, torch's ops do the work); ANGELGPT_ZERO_CACHE_TRITON=0 keeps torch's ops.
@@ -73,21 +74,35 @@ def _write_fp8_kernel(x_ptr, codes_ptr, scales_ptr, n, nblocks, salt, base, mix2
     tl.store(codes_ptr + idx, code.to(tl.uint8), mask=inside)
 
 @triton.jit
+def _exact_bits(sig, e2):
+    """The fp32 bits of sig * 2**e2 (sig an integer below 2**24 and the product exact in fp32, subnormal
+    or not; infinity above fp32's range), from integers: a float product here may flush subnormals."""
+    f = sig.to(tl.float32).to(tl.int32, bitcast=True)  # exact: exponent field 127 + log2(leading bit)
+    field = (f >> 23) + e2
+    bits = tl.where(field >= 1, f + (e2 << 23), sig << tl.minimum(tl.maximum(e2 + 149, 0), 31))
+    bits = tl.where(field >= 255, 0x7F800000, bits)
+    return tl.where(sig == 0, 0, bits)
+
+
+@triton.jit
 def _read_fp8_kernel(codes_ptr, scales_ptr, out_ptr, n, SQUARED: tl.constexpr, R: tl.constexpr, B: tl.constexpr):
     rows = tl.program_id(0) * R + tl.arange(0, R)
     idx = rows[:, None] * B + tl.arange(0, B)[None, :]
     inside = idx < n
     c = tl.load(codes_ptr + idx, mask=inside, other=0).to(tl.int32)
-    exp, man = (c >> 3) & 0xF, c & 7
-    v = tl.where(exp == 0, man.to(tl.float32) * 0.001953125,
-                 (((exp + 120) << 23) | (man << 20)).to(tl.float32, bitcast=True))
-    v = tl.where((c & 0x7F) == 0x7F, float("nan"), v)
-    v = tl.where((c & 0x80) != 0, -v, v)
     s = tl.load(scales_ptr + rows, mask=rows * B < n, other=1.0)
-    v = v * s[:, None]
+    k = (s.to(tl.int32, bitcast=True) >> 23) - 127  # the scale is 2**k (a normal power of two)
+    # the code's value times 2**k is sig * 2**e2: E4M3 normal (1 + m/8) * 2**(e - 7), subnormal m * 2**-9
+    e, m = (c >> 3) & 0xF, c & 7
+    sig = tl.where(e == 0, m, m + 8)
+    e2 = tl.where(e == 0, -9, e - 10) + k[:, None]
     if SQUARED:
-        v = v * v
-    tl.store(out_ptr + idx, v, mask=inside)
+        bits = _exact_bits(sig * sig, 2 * e2)
+    else:
+        bits = _exact_bits(sig, e2) | ((c & 0x80) << 24)
+    bits = tl.where((c & 0x7F) == 0x7F, 0x7FC00000, bits)  # E4M3's NaN
+    tl.store(out_ptr + idx, bits.to(tl.float32, bitcast=True), mask=inside)
+
 
 @triton.jit
 def _join_kernel(hi_ptr, rem_ptr, out_ptr, n, B: tl.constexpr):
