@@ -2,7 +2,8 @@
 
 Streams: gradients leave the GPU on ``d2h``; fetched weights, running sums and the states the device
 updates come up on ``h2d``; the weights the CPU updated come up on ``upload``, so that they do not queue
-behind the device update's states; collectives run on NCCL's own stream. On CPU there are no streams
+behind the device update's states; the device update computes on ``update``, so that a slice's states
+come up while the one before is updated; collectives run on NCCL's own stream. On CPU there are no streams
 and every copy is synchronous.
 
 Profile (``zero_cache.is_communication_time_profiling``): per iteration, the busy time of each
@@ -28,6 +29,7 @@ class Streams:
         self.d2h = torch.cuda.Stream(device) if self.cuda else None
         self.h2d = torch.cuda.Stream(device) if self.cuda else None
         self.upload = torch.cuda.Stream(device) if self.cuda else None
+        self.update = torch.cuda.Stream(device) if self.cuda else None
 
 
 class Profile:

@@ -189,6 +189,12 @@ def _kernels_for(*tensors: torch.Tensor):
     return None
 
 
+def _codec_slice(work: torch.Tensor) -> int:
+    """Elements decode and encode convert at a time: all of them where triton_codec's kernels take the
+    rows (one launch per row), else CODEC_SLICE."""
+    return max(1, work.shape[1]) if _kernels_for(work[0]) else CODEC_SLICE
+
+
 def decoded_master(fmt: StateFormat, states, hi: Optional[torch.Tensor]) -> torch.Tensor:
     """The fp32 masters of a chunk's states (its rows as StateFormat.states gives them; hi: its bf16
     weights where the master row holds remainders), as a new host tensor."""
@@ -222,8 +228,8 @@ def split_master(master: torch.Tensor, hi: torch.Tensor, rem: torch.Tensor) -> N
 def decode(fmt: StateFormat, rows: list, hi: Optional[torch.Tensor], work: torch.Tensor) -> None:
     """work [3, n] fp32 <- the states (rows as StateFormat.rows gives them, sliced alike; hi: the bf16
     weights of the same elements where the master is a remainder), CODEC_SLICE elements at a time (the
-    integer temporaries stay small)."""
-    for a, b in slices(work.shape[1], CODEC_SLICE):
+    integer temporaries stay small), or at once by triton_codec's kernels (no temporaries)."""
+    for a, b in slices(work.shape[1], _codec_slice(work)):
         if fmt.remainders:
             join_master(hi[a:b], rows[0][a:b], work[0, a:b])
         else:
@@ -235,8 +241,9 @@ def decode(fmt: StateFormat, rows: list, hi: Optional[torch.Tensor], work: torch
 def encode(fmt: StateFormat, work: torch.Tensor, rows: list, hi: Optional[torch.Tensor],
            seed: Tuple[int, int] = (0, 0), base: int = 0) -> None:
     """The states (and, with remainders, the weights hi) <- work [3, n] fp32; bf16 moments rounded to
-    nearest even, fp8 ones stochastically (seed: (chunk, step); base: the chunk element rows[k][0] is)."""
-    for a, b in slices(work.shape[1], CODEC_SLICE):
+    nearest even, fp8 ones stochastically (seed: (chunk, step); base: the chunk element rows[k][0] is),
+    a part at a time as decode does."""
+    for a, b in slices(work.shape[1], _codec_slice(work)):
         if fmt.remainders:
             split_master(work[0, a:b], hi[a:b], rows[0][a:b])
         else:

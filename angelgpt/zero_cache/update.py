@@ -236,13 +236,16 @@ class Update:
 
     def _update_streamed(self, gi: int, coef: float, hyper, after_backward) -> list:
         """Device-update thread: the host chunks of one sub-group that the device updates, a slice at a
-        time through two device buffers: fp32 states and gradient up (H2D stream), fused AdamW there,
-        the new weights straight into the model, the states back down (D2H stream). Returns the events
-        the next forward waits on (weights written); the states' return is waited on by their next
-        upload, and by wait_all."""
+        time through two device buffers: the states and gradient up (H2D stream), decoded, fused AdamW
+        and encoded on the update stream (meanwhile the next slice comes up into the other buffer), the
+        new weights straight into the model, the states back down (D2H stream). Returns the events the
+        next forward waits on (weights written); the states' return is waited on by their next upload,
+        and by wait_all. The profile's device_update time runs from a slice's upload to its update's
+        end (slices overlap)."""
         events = []
-        cuda, h2d, d2h = self.streams.cuda, self.streams.h2d, self.streams.d2h
+        cuda, h2d, d2h, compute = self.streams.cuda, self.streams.h2d, self.streams.d2h, self.streams.update
         on_h2d = (lambda: torch.cuda.stream(h2d)) if cuda else contextlib.nullcontext
+        on_compute = (lambda: torch.cuda.stream(compute)) if cuda else contextlib.nullcontext
         for c in self.chunks_of[gi]:
             if not c.device_update:
                 continue
@@ -267,12 +270,17 @@ class Update:
                 with on_h2d():
                     for k in range(STATES):  # row by row: each row slice is contiguous (async copies)
                         arriving[k].copy_(c.states[k][lo:hi], non_blocking=True)
-                    if packed is not None:
-                        decode(self.format, arriving, weights, states)
                     if grad_in is None:  # an fp32 gradient lands in its row
                         grad.copy_(c.grad[lo:hi], non_blocking=True)
                     else:  # up in its dtype, converted on the device
                         grad_in[:hi - lo].copy_(c.grad[lo:hi], non_blocking=True)
+                    arrived = h2d.record_event() if cuda else None
+                with on_compute():
+                    if cuda:
+                        compute.wait_event(arrived)
+                    if packed is not None:
+                        decode(self.format, arriving, weights, states)
+                    if grad_in is not None:
                         grad.copy_(grad_in[:hi - lo])
                     self._fp32_adamw(c, states, grad, hyper, coef)  # the rows decoded, if they were not fp32
                     if packed is not None:
@@ -280,8 +288,8 @@ class Update:
                     if weights is None:
                         for p, a, b, sa, sb in self._param_ranges(c, lo, hi):
                             p.data.view(-1)[a:b].copy_(states[0, sa - lo:sb - lo])
-                    updated = h2d.record_event() if cuda else None
-                self.profile.stop("device_update", t1, h2d)
+                    updated = compute.record_event() if cuda else None
+                self.profile.stop("device_update", t1, compute)
                 self.profile.add_bytes("device_update", (hi - lo) * (2 * self.format.bytes + c.grad.element_size()))
                 if not cuda:
                     for k in range(STATES):
