@@ -35,11 +35,7 @@ def initialize(tensor_parallel: int, pipeline_parallel: int, on_gpu: bool, timeo
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
         backend = "nccl" if on_gpu and shared is None else "gloo"
-        # NCCL bound to this rank's GPU (as Megatron binds it): its communicators, Megatron's groups'
-        # too, start here, before the model and the optimizer's store take the GPU's memory, not at
-        # training's first collective, where a full GPU refused NCCL its few bytes
-        bound = {"device_id": torch.device("cuda", torch.cuda.current_device())} if backend == "nccl" else {}
-        dist.init_process_group(backend, timeout=timedelta(minutes=timeout_minutes), **bound)
+        dist.init_process_group(backend, timeout=timedelta(minutes=timeout_minutes))
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_parallel,
         pipeline_model_parallel_size=pipeline_parallel,

@@ -128,12 +128,16 @@ def forward_backward_cpu(forward_step_func, data_iterator, model, num_microbatch
 
 
 def _mean_loss(stats: List[Dict[str, torch.Tensor]], device) -> float:
-    """Mean over micro batches, then over data-parallel ranks (last pipeline stage holds the loss)."""
+    """Mean over micro batches, then over data-parallel ranks (last pipeline stage holds the loss). One
+    data-parallel rank calls no collective: its NCCL communicator would start here, after the optimizer's
+    store has taken the GPU's memory (a full GPU refused NCCL 24 bytes)."""
     if not parallel_state.is_pipeline_last_stage():
         return float("nan")
     loss = torch.stack([s["lm loss"] for s in stats]).mean().to(device)
-    dist.all_reduce(loss, group=parallel_state.get_data_parallel_group())
-    return loss.item() / parallel_state.get_data_parallel_world_size()
+    dp = parallel_state.get_data_parallel_world_size()
+    if dp > 1:
+        dist.all_reduce(loss, group=parallel_state.get_data_parallel_group())
+    return loss.item() / dp
 
 
 def _host_staged(forward_backward, model):
