@@ -1,19 +1,19 @@
 """The update: AdamW of every chunk once the step's gradients are in, pipelined with the next forward.
 
-Device chunks run fused AdamW on the GPU at once; one worker thread updates host and NVMe chunks
-sub-group by sub-group in forward order (the CPU AdamW, NVMe chunks read ahead and written back),
-uploading each slice's new weights through the pinned upload buffers on the upload stream; beside
-it a second thread has the GPU update the host chunks marked ``device_update`` (states up, fused
-AdamW there, weights in place, states back down). ``complete(gi)`` makes sub-group gi's new weights
-usable on the current stream (and all-gathers them over DP); ``wait_all()`` completes every one.
+Device chunks run fused AdamW on the GPU at once; one worker thread updates host and NVMe chunks sub-group by
+sub-group in forward order (the CPU AdamW, NVMe chunks read ahead and written back), uploading each slice's
+new weights through the pinned upload buffers on the upload stream; beside it a second thread has the GPU
+update the host chunks marked ``device_update`` (states up, fused AdamW there, weights in place, states back
+down). ``complete(gi)`` makes sub-group gi's new weights usable on the current stream (and all-gathers them
+over DP); ``wait_all()`` completes every one.
 
-Owns: the update threads and the NVMe read-ahead thread, the updates in flight per sub-group, the
-sub-groups still to all-gather, the upload buffers' and device update buffers' cursors and events.
-Touches: the chunks' states, step counters, NVMe files and ``states_home`` events in the store, an
-offloaded layer's ``weights`` (the new weights written there, over the gradient where they share its
-buffer), the model's ``p.data`` of resident layers (new weights copied in), the store's
-``update_free`` events, the streams and the profile. Calls the gradients part (flush, global_norm, zero_grad) and the weights part (release of
-fetched copies before the update, all_gather after it).
+Owns: the update threads and the NVMe read-ahead thread, the updates in flight per sub-group, the sub-groups
+still to all-gather, the upload buffers' and device update buffers' cursors and events. Touches: the chunks'
+states, step counters, NVMe files and ``states_home`` events in the store, an offloaded layer's ``weights``
+(the new weights written there, over the gradient where they share its buffer), the model's ``p.data`` of
+resident layers (new weights copied in), the store's ``update_free`` events, the streams and the profile.
+Calls the gradients part (flush, global_norm, zero_grad) and the weights part (release of fetched copies
+before the update, all_gather after it).
 """
 
 from __future__ import annotations
@@ -225,8 +225,7 @@ class Update:
         return events
 
     def _download(self, c: Chunk, lo: int, hi: int):
-        """(slot, staging, event): a resident layer's weights [lo, hi) coming down into the next pinned
-        staging buffer on the upload stream (after the uploads queued before)."""
+        """(slot, staging, event): a resident layer's weights [lo, hi) down into the next staging buffer."""
         slot, staging = self._staging(hi - lo)
         upload = self.streams.upload
         with torch.cuda.stream(upload):
@@ -235,13 +234,11 @@ class Update:
         return slot, staging, ready
 
     def _update_streamed(self, gi: int, coef: float, hyper, after_backward) -> list:
-        """Device-update thread: the host chunks of one sub-group that the device updates, a slice at a
-        time through two device buffers: the states and gradient up (H2D stream), decoded, fused AdamW
-        and encoded on the update stream (meanwhile the next slice comes up into the other buffer), the
-        new weights straight into the model, the states back down (D2H stream). Returns the events the
-        next forward waits on (weights written); the states' return is waited on by their next upload,
-        and by wait_all. The profile's device_update time runs from a slice's upload to its update's
-        end (slices overlap)."""
+        """Device-update thread: a sub-group's host chunks the device updates, a slice at a time through two
+        device buffers: states and gradient up (H2D), decoded, AdamW and encoded on the update stream as the
+        next slice comes up, new weights straight into the model, states down (D2H). Returns the events the
+        next forward waits on; their next upload and wait_all wait for the states' return. (The profile's
+        device_update time runs from a slice's upload to its update's end: slices overlap.)"""
         events = []
         cuda, h2d, d2h, compute = self.streams.cuda, self.streams.h2d, self.streams.d2h, self.streams.update
         on_h2d = (lambda: torch.cuda.stream(h2d)) if cuda else contextlib.nullcontext
@@ -305,8 +302,7 @@ class Update:
         return events
 
     def _nvme_states(self, c: Chunk) -> torch.Tensor:
-        """Reads this NVMe chunk's bytes (prefetched while the previous one was updated) and starts the
-        next read."""
+        """This NVMe chunk's bytes (read while the previous one was updated); starts the next read."""
         order = [x for x in self.chunks if x.tier == "nvme"]
         i = next(k for k, x in enumerate(order) if x is c)
         slot = i % 2
@@ -350,8 +346,7 @@ class Update:
         return slot, self._upload[slot][:n]
 
     def _upload_staging(self, c: Chunk, slot: int, lo: int, hi: int, after_backward):
-        """Updated weights [lo, hi) of a chunk, in staging buffer slot, into the model on the upload
-        stream; returns the event to wait on."""
+        """A chunk's updated weights [lo, hi), in staging buffer slot, up into the model; returns the event."""
         staging = self._upload[slot][:hi - lo]
         upload = self.streams.upload
         t0 = self.profile.start("h2d", upload)

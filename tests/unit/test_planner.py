@@ -35,10 +35,15 @@ def _out_of_memory():
     # the planner's per-parameter model, which matches its 8- and 11-layer runs within 3.5 GiB
     unexplained = pytest.mark.xfail(strict=True, reason="the planner's Megatron CPU offload model misses what "
                                                         "its first step allocates at 12 layers")
+    # refused by a defect of 03f518c, not by their size: its workers bound NCCL to the GPU at start, and
+    # Megatron's groups' communicators took the store's room; the planner says they fit, and the same
+    # configuration trained at ce12eba (...-fp32sumsfalse-run2.json)
+    defect = pytest.mark.xfail(strict=True, reason="refused by 03f518c's NCCL binding at start, not by their size")
     out = []
     for _, r in _angelgpt_runs():
         if r.get("oom"):
             marks = unexplained if r["name"] == "peers-megatron_cpu_offload-L12-mb2-gb32" else ()
+            marks = defect if r["name"].endswith("-refused-nccl-bound") else marks
             out.append(pytest.param(r, id=r["name"], marks=marks))
     return out
 
