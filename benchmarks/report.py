@@ -147,7 +147,7 @@ def goal(kind: str, target: float, x=None, y=None, constant=None, **about) -> di
     return g
 
 
-def goals(rows, best, best_any, opt_out, every=None) -> list:
+def goals(best, best_any, opt_out, every) -> list:
     """The goals, in the table's order: ZeRO-Cache's runs of the default (fp32 sums) at the peers' global
     batch, then its largest at any global batch and its bf16-sum opt-out's largest, each said so, then
     the 28 preset's shape with the most compact states. A ratio's two runs are picked from `every` run
@@ -155,7 +155,7 @@ def goals(rows, best, best_any, opt_out, every=None) -> list:
     out = []
 
     def ok(system, layers=None, gb=None, speed=False, default=True):
-        return [r for r in (every or rows) if r["system"] == system and r["ok"]
+        return [r for r in every if r["system"] == system and r["ok"]
                 and (layers is None or r["layers"] == layers) and (gb is None or r["gb"] == gb)
                 and (r["tflops"] if speed else True) and (current(r) if default else opt_out_run(r))]
 
@@ -188,7 +188,7 @@ def goals(rows, best, best_any, opt_out, every=None) -> list:
     if o:
         speed("speed_opt_out", 0.75, ok("zero_cache", o["layers"], o["gb"], speed=True, default=False), a_runs, d=o)
     # the 28 preset's shape (26 layers, 128 heads) with fp8 moments and bf16 sums, at global batch 8 or more
-    compact = [r for r in (every or rows) if r["system"] == "zero_cache" and r["ok"] and r["tflops"]
+    compact = [r for r in every if r["system"] == "zero_cache" and r["ok"] and r["tflops"]
                and r["layers"] == 26 and r["gb"] >= 8 and r["moments"] == "fp8" and r["sums"] == "bf16"
                and "model.num_attention_heads=128" in r["shape"]]
     speed("speed_28", 0.35, compact, a_runs)
@@ -279,7 +279,8 @@ def generate(results: Path):
 
 def _text(rows, earlier, counted, cases):
     """BENCHMARKS.md's text and each system's largest at the peers' global batch: the tables of `rows` (each
-    case's newest run) and `earlier`, the sizes and goals of `counted` (each case's newest complete run)."""
+    case's newest run) and `earlier`, the sizes and goals of `counted` (each case's newest complete run;
+    a goal's ratio pairs its runs among every run)."""
     # each system's largest completed size as it trains by default: at the global batch of Megatron's largest
     # (every peer's), else at any; ZeRO-Cache's largest at any global batch and with bf16 sums beside it
     done = [r for r in counted if r["ok"]]
@@ -293,7 +294,7 @@ def _text(rows, earlier, counted, cases):
     every = rows + [e for e, _ in earlier]
     text = render(runs=sorted(rows, key=order), earlier=sorted(earlier, key=lambda e: order(e[0])),
                   largest=largest(counted, best, best_any, opt_out),
-                  goals=goals(counted, best, best_any, opt_out, every),
+                  goals=goals(best, best_any, opt_out, every),
                   profiled=sorted((r for r in rows if r["profile"]), key=lambda r: (r["layers"], r["gb"])),
                   f=Figures(cases), label=LABEL, systems=SYSTEMS)
     return text, best
