@@ -6,13 +6,19 @@ import contextlib
 import os
 import shlex
 import signal
+import shutil
 import subprocess
 import sys
+import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional, Tuple
 
 from angelgpt.train.lifetime import LAUNCHER_PID_ENV, agent_preexec
+from angelgpt.train.stop import DEFAULT_GRACE_S, JOB_START_ENV, STOP_FILE_ENV, STOP_SIGNALS
+
+STARTED = time.time()  # the job's start, from which train.exit_duration_mins counts
 
 
 @dataclass
@@ -43,6 +49,9 @@ def torchrun_command(rdzv: Rendezvous, worker_args: List[str]) -> List[str]:
         cmd += ["--standalone"]
     if rdzv.max_restarts:
         cmd += ["--max-restarts", str(rdzv.max_restarts)]
+    # stop requests are the workers' to handle (angelgpt.train.stop): the agent's own handling of SIGTERM
+    # and SIGINT would end them 30 s after one, mid-save
+    cmd += ["--signals-to-handle", "SIGHUP,SIGQUIT"]
     return cmd + ["-m", "angelgpt.train.worker"] + worker_args
 
 
@@ -63,6 +72,7 @@ def worker_env(on_gpu: bool, nproc_per_node: int, optimizer: str = "megatron", m
         env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     # the workers end themselves when this launcher is gone (angelgpt.train.lifetime.watch_launcher)
     env[LAUNCHER_PID_ENV] = str(os.getpid())
+    env[JOB_START_ENV] = repr(STARTED)
     return env
 
 
@@ -124,30 +134,44 @@ def format_command(cmd: List[str]) -> str:
 ERROR_PREFIX = "angelgpt: error: "
 
 
-def run(cmd: List[str], env: dict) -> Tuple[int, Optional[str]]:
+def run(cmd: List[str], env: dict, grace_s: float = DEFAULT_GRACE_S) -> Tuple[int, Optional[str]]:
     """Runs torchrun, passing its stderr through. A worker that refuses its input prints one
     `angelgpt: error:` line and exits 2; torchrun's own failure report after it is dropped and 2
     is returned, so a refusal reads as one line whichever process found it. Returns the exit code and,
     for a worker killed by SIGKILL (the out-of-memory killer's signal), which cannot speak for itself,
-    the reason to print."""
+    the reason to print.
+
+    A stop request to this process (SIGTERM, SIGINT, SIGUSR1) becomes the stop file the workers look for
+    at each iteration boundary (angelgpt.train.stop): they save and exit 0, rank 0 saying where in one
+    line. The torchrun agent ignores those signals (its own handling would end the workers 30 s after
+    one), so a signal to the whole job reaches each worker once, directly, and this launcher once.
+    The same request again within `grace_s` changes nothing; a later one kills the job at once."""
+    stop_dir = tempfile.mkdtemp(prefix="angelgpt-stop-")
+    env = {**env, STOP_FILE_ENV: os.path.join(stop_dir, "stop")}
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, errors="replace",
-                            start_new_session=True,  # a terminal's Ctrl-C reaches the workers once, from here
-                            preexec_fn=agent_preexec())  # the agent dies with this process, the workers follow
-    previous = {sig: signal.signal(sig, lambda signum, frame: _forward(proc.pid, signum))
-                for sig in (signal.SIGTERM, signal.SIGINT)}
+                            start_new_session=True,  # a terminal's Ctrl-C reaches this launcher only
+                            preexec_fn=_agent_preexec())
+    stop = _StopRequests(proc.pid, env[STOP_FILE_ENV], grace_s)
+    previous = {sig: signal.signal(sig, stop.handle) for sig in STOP_SIGNALS}
     refused = killed = False
-    for line in proc.stderr:
-        killed = killed or "Signal 9 (SIGKILL)" in line
-        if refused:
-            continue
-        if line.startswith(ERROR_PREFIX) or "]:" + ERROR_PREFIX in line:
-            refused = True
-            line = line[line.index(ERROR_PREFIX):]
-        sys.stderr.write(line)
-        sys.stderr.flush()
-    rc = proc.wait()
-    for sig, handler in previous.items():
-        signal.signal(sig, handler)
+    try:
+        for line in proc.stderr:
+            killed = killed or "Signal 9 (SIGKILL)" in line
+            if refused:
+                continue
+            if line.startswith(ERROR_PREFIX) or "]:" + ERROR_PREFIX in line:
+                refused = True
+                line = line[line.index(ERROR_PREFIX):]
+            sys.stderr.write(line)
+            sys.stderr.flush()
+        rc = proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        shutil.rmtree(stop_dir, ignore_errors=True)
+    if stop.ended_by is not None:
+        return 128 + stop.ended_by, (f"asked to stop again {grace_s:g} s (checkpoint.stop_grace_s) after the first "
+                                     f"request: the job was ended without finishing its save")
     if refused and rc != 0:
         return 2, None
     # a worker killed by SIGKILL (the kernel's out-of-memory killer, most likely) cannot say why itself
@@ -157,18 +181,53 @@ def run(cmd: List[str], env: dict) -> Tuple[int, Optional[str]]:
     return rc, why
 
 
-def _forward(torchrun_pid: int, signum: int) -> None:
-    """Passes a signal to the workers (not to torchrun, which would signal them a second time):
-    the first makes them save at the next iteration boundary and exit 0, a second stops them at once."""
+def _agent_preexec():
+    """The torchrun agent's start: stop signals ignored (its workers set their own handlers), and
+    lifetime.agent_preexec's tie to this launcher."""
+    tie = agent_preexec()
+
+    def preexec() -> None:
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+        if tie is not None:
+            tie()
+
+    return preexec
+
+
+class _StopRequests:
+    """The launcher's signal handler: the first stop request writes the stop file (naming the signal),
+    repeats within the grace are ignored, one after it kills the agent and its workers at once."""
+
+    def __init__(self, agent_pid: int, path: str, grace_s: float):
+        self.agent_pid, self.path, self.grace_s = agent_pid, path, grace_s
+        self.first_at: Optional[float] = None
+        self.ended_by: Optional[int] = None
+
+    def handle(self, signum, frame) -> None:
+        now = time.monotonic()
+        if self.first_at is None:
+            self.first_at = now
+            tmp = self.path + ".tmp"
+            with open(tmp, "w") as fh:
+                fh.write(signal.Signals(signum).name + "\n")
+            os.replace(tmp, self.path)
+        elif now - self.first_at > self.grace_s and self.ended_by is None:
+            self.ended_by = signum
+            _kill_tree(self.agent_pid)
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL to a process and every process under it."""
     import psutil
 
     try:
-        workers = psutil.Process(torchrun_pid).children(recursive=True)
+        root = psutil.Process(pid)
+        procs = root.children(recursive=True) + [root]
     except psutil.NoSuchProcess:
         return
-    for w in workers:
+    for p in procs:
         try:
-            if "angelgpt.train.worker" in " ".join(w.cmdline()):
-                w.send_signal(signum)
+            p.kill()
         except psutil.NoSuchProcess:
             pass

@@ -417,10 +417,18 @@ class CheckpointConfig:
     per parameter / (TP x PP)). A rank whose available host memory (the node's, shared by its
     ranks, less 10%) cannot hold the copy writes synchronously, saying so in one line. The run's last
     save (end, exit_interval, signal, abort) is written synchronously. Off by default, as in Megatron:
-    with ZeRO-Cache the copy doubles the host memory the states take."""
+    with ZeRO-Cache the copy doubles the host memory the states take. The host copy is one buffer,
+    pinned on GPU machines, allocated at the first asynchronous save and kept for the next ones, so
+    after the first save training waits only for the device-to-host copy."""
+    stop_grace_s: float = 900.0
+    """Seconds a stop request (SIGTERM, SIGINT or SIGUSR1 to the launcher, its workers or both) gives
+    the save it starts: the same request arriving again within this time (a scheduler signalling every
+    process of the job, a second Ctrl-C) changes nothing; one arriving later, or SIGKILL, ends the job
+    at once, and the checkpoint being written is not the one a resume loads."""
     def __post_init__(self):
         _require(self.save_interval is None or self.save_interval > 0,
                  f"checkpoint.save_interval must be > 0, got {self.save_interval}")
+        _require(self.stop_grace_s > 0, f"checkpoint.stop_grace_s must be > 0, got {self.stop_grace_s}")
         _require(self.keep is None or self.keep > 0, f"checkpoint.keep must be > 0, got {self.keep}")
 
 
@@ -477,6 +485,11 @@ class TrainConfig:
     """Optimizer steps to train."""
     exit_interval: Optional[int] = None
     """Stop (saving first when checkpoint.save is set) once the iteration is a multiple of this."""
+    exit_duration_mins: Optional[float] = None
+    """Wall-clock limit of the job in minutes, counted from the launcher's start (Megatron's
+    --exit-duration-in-mins): at the last iteration boundary that leaves time for one more iteration
+    and a save, half again for safety (the last save's measured duration; before any save, 16 bytes
+    per parameter of the rank at 1 GB/s), every rank saves (when checkpoint.save is set) and the job exits 0. None: no limit."""
     eval_interval: Optional[int] = None
     """Compute validation loss every N iterations; None never."""
     max_consecutive_skips: int = 10
@@ -493,6 +506,8 @@ class TrainConfig:
                   train_iters=self.train_iters, eval_iters=self.eval_iters)
         _require(self.exit_interval is None or self.exit_interval > 0,
                  f"train.exit_interval must be > 0, got {self.exit_interval}")
+        _require(self.exit_duration_mins is None or self.exit_duration_mins > 0,
+                 f"train.exit_duration_mins must be > 0, got {self.exit_duration_mins}")
         _positive("train", max_consecutive_skips=self.max_consecutive_skips)
         _require(self.eval_interval is None or self.eval_interval > 0,
                  f"train.eval_interval must be > 0, got {self.eval_interval}")

@@ -43,6 +43,11 @@ def _iter_dir(root: Path, iteration: int) -> Path:
     return root / f"iter_{iteration:07d}"
 
 
+def iteration_dir(root: str, iteration: int) -> str:
+    """Where the checkpoint of `iteration` lives under `root` (as the user wrote root)."""
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
 def _rng_state() -> dict:
     state = {"random": random.getstate(), "np": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -189,6 +194,7 @@ class Saver:
         self.pending = None  # (iteration, tmp, job, event) of the save in flight
         self.events = []
         self._told = False
+        self.last_save_s: Optional[float] = None  # the last finalized save's time, start to finalized
 
     def save(self, iteration: int, consumed: int, model, optimizer, scheduler, asynchronous: bool) -> None:
         started = time.perf_counter()
@@ -222,6 +228,8 @@ class Saver:
             job.start()
         # (an asynchronous save a rank wrote synchronously is finalized with the others' all the same)
         event["stall_s"] = time.perf_counter() - started
+        if not event["async"]:  # finalized here (synchronous) or written here (a rank without room)
+            self.last_save_s = event["stall_s"]
         self.events.append(event)
         if not asynchronous:  # an asynchronous one says so once written (_finalize)
             log.info(f"saved the checkpoint of iteration {iteration} in {final} ({event['stall_s']:.2f} s)")
@@ -275,6 +283,7 @@ class Saver:
                 "finalize_s": time.perf_counter() - started}
         self.events.append(done)
         if event["async"]:
+            self.last_save_s = event.get("stall_s", 0.0) + done["write_s"] + done["finalize_s"]
             log.info(f"checkpoint of iteration {iteration} written in the background in {done['write_s']:.2f} s "
                      f"(finalized in {done['finalize_s']:.2f} s)")
 

@@ -16,8 +16,9 @@ from angelgpt.config import Config
 from angelgpt.data.dataset import micro_batches
 from angelgpt.model.flops import flops_per_iteration
 from angelgpt.parallel.log import EVERY_RANK, get_logger
-from angelgpt.train import checkpoint
 from angelgpt.optimizer import Optimizer
+from angelgpt.train import checkpoint
+from angelgpt.train.stop import RESERVE_FACTOR, RunControl, save_estimate_s
 from angelgpt.train.metrics import MetricsWriter, Profiling, gpu_alloc_retries, gpu_memory_gib, host_memory_gib
 
 log = get_logger(__name__)
@@ -55,35 +56,6 @@ def close_within(closers, timeout: float = CLOSE_TIMEOUT_S) -> List[str]:
         if thread.is_alive() or error:
             failed.append(name)
     return failed
-
-
-class RunControl:
-    """What a worker's signal handlers, its training loop and its error report share: the SIGTERM/SIGINT
-    received (the first stops training at the next iteration boundary, saving first; a second exits at
-    once) and what training is doing (`phase`, named by a rank that reports a collective timing out)."""
-
-    def __init__(self):
-        self.signals = 0
-        self.phase = "set-up"
-
-    def install_signal_handlers(self) -> "RunControl":
-        import os
-        import signal
-
-        def handler(signum, frame):
-            self.signals += 1
-            if self.signals > 1:
-                os._exit(128 + signum)
-
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, handler)
-        return self
-
-    def stop_requested(self, device) -> bool:
-        """True on every rank once any rank has been signalled."""
-        flag = torch.tensor([1.0 if self.signals else 0.0], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
 
 
 def loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
@@ -163,6 +135,7 @@ class Trainer:
                  control: RunControl, rehearsal: bool = False):
         self.cfg = cfg
         self.control = control
+        control.configure(cfg.checkpoint.stop_grace_s, cfg.train.exit_duration_mins)
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -199,6 +172,7 @@ class Trainer:
         self.rehearsal = rehearsal
         self.records: List[dict] = []
         self.saver = None  # checkpoint.Saver of checkpoint.save, made by train()
+        self.trained = False  # whether this process trained an iteration (a stop may come before)
 
     def _clock(self) -> float:
         """Now; in a rehearsal on GPU after the device has finished what is queued."""
@@ -305,9 +279,35 @@ class Trainer:
             raise TrainingAborted(f"{in_a_row} consecutive iterations had a non-finite loss or gradient norm "
                                   f"(last at iteration {self.iteration}){where}")
         if stop:
-            log.info(f"stopped by signal at iteration {self.iteration}"
-                         + (f", checkpoint saved in {cfg.checkpoint.save}" if cfg.checkpoint.save else ""))
+            self._report_stop()
         return loss
+
+    def _report_stop(self) -> None:
+        """The one line a stopped run ends with (rank 0, on stderr): where it stopped, why, what was saved."""
+        if dist.get_rank() != 0:
+            return
+        import sys
+
+        save = self.cfg.checkpoint.save
+        if self.trained:
+            where = (f"saved {checkpoint.iteration_dir(save, self.iteration)}" if save
+                     else "nothing was saved (no --save)")
+            what = f"stopped at iteration {self.iteration}"
+        else:
+            latest = checkpoint.latest_iteration(save) if save else None
+            where = "nothing new to save" + (f"; the latest checkpoint is {checkpoint.iteration_dir(save, latest)}"
+                                             if latest is not None else "")
+            what = f"stopped before iteration {self.iteration + 1}"
+        print(f"angelgpt: {what} ({self.control.reason}): {where}", file=sys.stderr, flush=True)
+
+    def _reserve_s(self, iteration_s: float) -> float:
+        """Seconds the wall-clock limit must leave at a boundary: one more iteration and a save (the last
+        save's measured time, else an estimate from this rank's parameters), half again for safety."""
+        save_s = 0.0
+        if self.cfg.checkpoint.save:
+            save_s = (self.saver.last_save_s if self.saver is not None and self.saver.last_save_s is not None
+                      else save_estimate_s(sum(p.numel() for p in self.model.parameters())))
+        return RESERVE_FACTOR * (iteration_s + save_s)
 
     def _iterations(self, it, profiling, flops, tokens_per_iter, world):
         """Trains until the last iteration, a stop signal or too many skips: (last loss, stopped by a
@@ -318,7 +318,10 @@ class Trainer:
         last = self.iteration >= cfg.train.train_iters
         stop = aborting = False
         in_a_row = 0
+        if not last and self.control.stop_requested(self.device):  # asked to stop while setting up
+            return loss, True, False, 0
         while not last:
+            iteration_started = time.perf_counter()
             profiling.begin(self.iteration + 1)
             self.control.phase = f"iteration {self.iteration + 1}: forward and backward"
             self.optimizer.zero_grad()
@@ -350,7 +353,8 @@ class Trainer:
             self.iteration += 1
             self.consumed += cfg.train.global_batch_size
             window_iters += 1
-            stop = self.control.stop_requested(self.device)
+            self.trained = True
+            stop = self.control.stop_requested(self.device, self._reserve_s(time.perf_counter() - iteration_started))
             if self.saver:  # a background save whose write every rank has finished is made visible
                 self.saver.finalize(blocking=False)
             aborting = in_a_row >= cfg.train.max_consecutive_skips and not self.rehearsal

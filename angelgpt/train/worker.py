@@ -100,7 +100,7 @@ def make_trainer(cfg, rehearse=None, shared=None, resolved: bool = False, machin
     'auto' left (the launcher's run config), else it is resolved here (`resolve_here`, for `machine`
     where given). `rehearse` (parallel.Rehearsal): play that rank of its world alone, under the fake
     process group; `shared` (parallel.SharedDevice): every rank on one GPU under gloo (tests).
-    `control` (train.loop.RunControl): the signals and phase the worker shares with the loop (one
+    `control` (train.stop.RunControl): the stop requests and phase the worker shares with the loop (one
     with the signal handlers installed when not given)."""
     import torch
     from megatron.core import parallel_state
@@ -110,7 +110,8 @@ def make_trainer(cfg, rehearse=None, shared=None, resolved: bool = False, machin
     from angelgpt.data.dataset import build_datasets
     from angelgpt.data.tokenizer import MockTokenizer, check_vocabulary, load_tokenizer
     from angelgpt.planner import beside_store_bytes
-    from angelgpt.train.loop import RunControl, Trainer
+    from angelgpt.train.loop import Trainer
+    from angelgpt.train.stop import RunControl
 
     logging.getLogger("megatron.core.datasets").setLevel(logging.ERROR)  # index-cache chatter on stderr
     if control is None:  # before anything slow: a signal during set-up stops at the first boundary
@@ -169,7 +170,7 @@ def main(argv=None, shared=None) -> int:
     warnings.filterwarnings("ignore", category=UserWarning)
     warnings.filterwarnings("ignore", category=FutureWarning)
     from angelgpt.config import ConfigError, from_argv, parse
-    from angelgpt.train.loop import RunControl
+    from angelgpt.train.stop import RunControl
 
     run_config = os.environ.get(RUN_CONFIG_ENV)
     control = RunControl().install_signal_handlers()

@@ -81,7 +81,7 @@ def test_sigterm_saves_at_iteration_boundary_and_exits_0(tmp_path, saves):
     assert proc.returncode == 0, err[-2000:]
     stopped = read_metrics(metrics)[-1]["iteration"]
     assert tracker(ck) == stopped
-    assert f"stopped by signal at iteration {stopped}" in out
+    assert f"angelgpt: stopped at iteration {stopped} (SIGTERM): saved {ck}/iter_{stopped:07d}" in err
     done = [p for p in ck.iterdir() if p.is_dir()]
     assert all(verify(p) is None for p in done) and not [p for p in done if p.name.endswith(".tmp")]
     if saves:
