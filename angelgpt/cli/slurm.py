@@ -111,7 +111,8 @@ def from_env(env: Mapping[str, str], nnodes: Optional[int] = None, node_rank: Op
     """The flags not given (None) filled in from a Slurm job's environment: SLURM_NNODES -> nnodes,
     SLURM_NODEID -> node rank, the first host of SLURM_JOB_NODELIST -> master address, MASTER_PORT else
     derived_port(SLURM_JOB_ID) -> master port; a flag given wins. None when this is not a multi-node Slurm
-    job (SLURM_JOB_ID or SLURM_NNODES unset, or one node: standalone) or every flag was given. With
+    job (SLURM_JOB_ID or SLURM_NNODES unset, or one node: standalone), --nnodes 1 was given, or every flag
+    was given. With
     --rdzv-endpoint only the node count is taken. A step of more than one task per node, or a value that
     does not parse, raises ConfigError."""
     if not env.get("SLURM_JOB_ID") or not env.get("SLURM_NNODES"):
@@ -130,6 +131,8 @@ def from_env(env: Mapping[str, str], nnodes: Optional[int] = None, node_rank: Op
     taken, used = [], []
     if nnodes is None:
         nnodes, taken = nodes, taken + ["SLURM_NNODES"]
+    elif nnodes == 1:  # one node of the allocation, standalone
+        return None
     if rdzv_endpoint:
         node_rank = 0 if node_rank is None else node_rank
     else:

@@ -52,6 +52,7 @@ def test_master_port_from_the_environment_and_the_job_id_otherwise():
 def test_a_flag_given_wins_over_the_environment():
     shape = from_env(JOB, nnodes=8, node_rank=5, master_addr="head", master_port=1234)
     assert shape is None  # nothing left to take
+    assert from_env(JOB, nnodes=1) is None  # one node of the allocation runs standalone
     shape = from_env(JOB, node_rank=3, master_port=4321)
     assert (shape.nnodes, shape.node_rank, shape.master_addr, shape.master_port) == (4, 3, "node01", 4321)
     assert "(from SLURM_NNODES, SLURM_JOB_NODELIST)" in shape.line
