@@ -1,7 +1,8 @@
 """A crashed worker's job resumes by itself: with --max-restarts, rank 1 of two gloo workers is SIGKILLed
-mid-run (after a save, or while one is being written); torchrun restarts the workers, they resume from
-the latest complete checkpoint (never a half-written iter_N.tmp), and the run exits 0 with the losses
-and the saved tensors of an uninterrupted run, leaving no process behind."""
+mid-run (after a save, or while one is being written), or every worker raises (a save that fails);
+torchrun restarts the workers, they resume from the latest complete checkpoint (never a half-written
+iter_N.tmp), and the run exits 0 with the losses (and saved tensors) of an uninterrupted run, leaving no
+process behind."""
 
 import json
 import os
@@ -115,3 +116,35 @@ def test_a_worker_killed_mid_run_restarts_from_the_latest_checkpoint_and_ends_li
     for k in a:
         assert torch.equal(a[k], b[k]), k
     assert not [p for p in ck.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_a_worker_that_raises_mid_run_restarts_from_the_latest_checkpoint(tmp_path, uninterrupted):
+    """The second save fails on every rank (a file stands where iter_N.tmp goes): the workers raise and
+    exit, torchrun restarts them, and with the obstacle gone the run resumes from the first save and ends
+    with the uninterrupted run's losses."""
+    full, _ = uninterrupted
+    ck, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
+    ck.mkdir()
+    obstacle = ck / f"iter_{2 * EVERY:07d}.tmp"
+    obstacle.write_text("in the way")
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "angelgpt", "train", "--size", "tiny", "--device", "cpu",
+                                 "--nproc-per-node", "2", *JOB, "logging.log_interval=1", "--max-restarts", "1",
+                                 "--save", ck, "--metrics-file", metrics], cwd=ROOT, env=env, stdout=out, stderr=err)
+    try:
+        assert wait_for(lambda: "could not be saved" in (tmp_path / "err").read_text(), timeout=300)
+        obstacle.unlink()
+        proc.wait(timeout=300)
+    finally:
+        proc.kill()
+        proc.wait()
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, (tmp_path / "out").read_text(),
+                                       (tmp_path / "err").read_text())
+    assert proc.returncode == 0, failure_report(done)
+    assert f"the checkpoint of iteration {2 * EVERY} could not be saved" in done.stderr
+    assert f"resumed from {ck} at iteration {EVERY}\n" in done.stdout
+    assert wait_for(lambda: not left_behind(ck), timeout=10), left_behind(ck)
+    after = read_metrics(metrics)[-(ITERS - EVERY):]
+    assert [r["iteration"] for r in after] == list(range(EVERY + 1, ITERS + 1))
+    assert [r["lm_loss"] for r in after] == [r["lm_loss"] for r in full[EVERY:]]
