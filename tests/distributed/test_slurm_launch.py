@@ -40,8 +40,8 @@ def test_srun_variables_alone_start_a_two_node_cpu_job(tmp_path):
             p.kill()
     outs = [(tmp_path / f"out{n}").read_text() for n in (0, 1)]
     for n, p in enumerate(nodes):
-        report = failure_report(subprocess.CompletedProcess(p.args, codes[n], outs[n], (tmp_path / f"err{n}").read_text()))
-        assert codes[n] == 0, report
+        err = (tmp_path / f"err{n}").read_text()
+        assert codes[n] == 0, failure_report(subprocess.CompletedProcess(p.args, codes[n], outs[n], err))
         assert outs[n].splitlines()[0] == (f"slurm: 2 nodes, node rank {n}, rendezvous localhost:{port} (from "
                                            f"SLURM_NNODES, SLURM_NODEID, SLURM_JOB_NODELIST, MASTER_PORT)")
         assert "world size 2 = TP 1 x PP 1 x DP 2" in outs[n]
