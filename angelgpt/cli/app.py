@@ -172,10 +172,10 @@ def train(
     size: Optional[str] = SIZE,
     config: Optional[str] = CONFIG,
     nproc_per_node: Optional[int] = NPROC,
-    nnodes: int = NNODES,
-    node_rank: int = typer.Option(0, "--node-rank", min=0),
-    master_addr: Optional[str] = typer.Option(None, "--master-addr"),
-    master_port: Optional[int] = typer.Option(None, "--master-port"),
+    nnodes: Optional[int] = typer.Option(None, "--nnodes", min=1, help="default: SLURM_NNODES in a Slurm job, else 1"),
+    node_rank: Optional[int] = typer.Option(None, "--node-rank", min=0, help="default: SLURM_NODEID, else 0"),
+    master_addr: Optional[str] = typer.Option(None, "--master-addr", help="default: SLURM_JOB_NODELIST's first"),
+    master_port: Optional[int] = typer.Option(None, "--master-port", help="default: MASTER_PORT or from SLURM_JOB_ID"),
     rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help="HOST:PORT (c10d rendezvous)"),
     max_restarts: int = typer.Option(0, "--max-restarts", min=0, help="torchrun restarts on worker failure"),
     device: Optional[str] = DEVICE,
@@ -203,6 +203,11 @@ def train(
     extra = list(overrides or [])
     if device not in (None, "cpu", "cuda"):
         fail(f"--device must be 'cpu' or 'cuda', got '{device}'")
+    if not rehearse:  # in a multi-node Slurm job the flags not given come from srun's environment
+        from angelgpt.cli.slurm import fill
+
+        nnodes, node_rank, master_addr, master_port = fill(nnodes, node_rank, master_addr, master_port, rdzv_endpoint)
+    nnodes, node_rank = nnodes or 1, node_rank or 0
     if device:
         extra.append(f"train.device={device}")
     if metrics_file:
