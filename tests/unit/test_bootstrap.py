@@ -16,7 +16,8 @@ def _editable_install(src, prefix, warnings_filter=None):
     env.pop("PYTHONWARNINGS", None)
     if warnings_filter:
         env["PYTHONWARNINGS"] = warnings_filter
-    return subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", ".", "--no-deps",
+    # into a prefix of its own; --ignore-installed: an angelgpt installed where the tests run stays as it is
+    return subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", ".", "--no-deps", "--ignore-installed",
                            "--no-build-isolation", "--prefix", str(prefix)],
                           cwd=src, env=env, text=True, capture_output=True, timeout=300)
 
@@ -42,11 +43,12 @@ def test_bootstraps_editable_install_prints_no_setuptools_notice(tmp_path):
     (site,) = (tmp_path / "quiet").glob("lib/python*/site-packages")
     work = tmp_path / "work"
     work.mkdir()
-    code = (f"import site; site.addsitedir({str(site)!r}); import angelgpt; from angelgpt.config import "
-            f"preset_names; print(angelgpt.__file__); print(' '.join(preset_names()))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=work, text=True, capture_output=True, timeout=120,
+    # -S: this environment's own angelgpt (if installed) out of the way; the prefix's .pth files read
+    code = (f"import site, importlib.resources; site.addsitedir({str(site)!r}); import angelgpt; "
+            f"print(angelgpt.__file__); print(importlib.resources.files('angelgpt.configs') / 'tiny.yaml')")
+    out = subprocess.run([sys.executable, "-S", "-c", code], cwd=work, text=True, capture_output=True, timeout=120,
                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
     assert out.returncode == 0, out.stderr[-2000:]
-    where, names = out.stdout.splitlines()
+    where, tiny = out.stdout.splitlines()
     assert where == str(src / "angelgpt" / "__init__.py")
-    assert {"tiny", "55"} <= set(names.split())
+    assert tiny == str(src / "configs" / "tiny.yaml")
