@@ -20,6 +20,7 @@ import typer
 import yaml
 
 from angelgpt.cli.launch import fail
+from angelgpt.cli.rehearse import as_command, refuse_without_gpu
 from angelgpt.config import ConfigError, preset_names, parse, to_dict
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -240,6 +241,8 @@ def train(
     if nproc_per_node < 1:
         fail(f"--nproc-per-node must be >= 1, got {nproc_per_node}")
     dp = cfg.data_parallel_size(nproc_per_node * nnodes)
+    if rehearse and not on_gpu and wanted is None:  # its CPU form is the user's choice, --device cpu
+        refuse_without_gpu(cfg, machine)
     try:
         cfg.check_device(on_gpu)
     except ConfigError as exc:
@@ -304,10 +307,12 @@ def rehearse_command(
 ) -> None:
     """Rehearse a job's ranks one at a time on this machine (fake collectives), each beside the planner's
     prediction; exit 2 if one runs out of the target's memory. `angelgpt train --rehearse` is the same."""
-    train(overrides=overrides, size=size, config=config, nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=0,
-          master_addr=None, master_port=None, rdzv_endpoint=None, max_restarts=0, device=device, dry_run=dry_run,
-          metrics_file=None, save=None, load=None, force=False, rehearse=True, rehearse_rank=rank,
-          rehearse_steps=steps, rehearse_report=report, gpu_mem=gpu_mem, host_mem=host_mem, machine=machine)
+    with as_command("rehearse"):  # its messages name --rank and --steps
+        train(overrides=overrides, size=size, config=config, nproc_per_node=nproc_per_node, nnodes=nnodes,
+              node_rank=0, master_addr=None, master_port=None, rdzv_endpoint=None, max_restarts=0, device=device,
+              dry_run=dry_run, metrics_file=None, save=None, load=None, force=False, rehearse=True,
+              rehearse_rank=rank, rehearse_steps=steps, rehearse_report=report, gpu_mem=gpu_mem, host_mem=host_mem,
+              machine=machine)
 
 
 @app.command("export")

@@ -22,6 +22,8 @@ No torch import at module level (the CLI stays quick).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import json
 import os
 import sys
@@ -32,6 +34,42 @@ from typing import List, Optional
 
 from angelgpt.cli.budget import gib3, host_budget, over_budget_message, run_within_host_budget
 from angelgpt.system import GIB, git_commit, mem_available_bytes
+
+
+# the options a rehearsal's messages name: `angelgpt train --rehearse`'s, or within `as_command("rehearse")`
+# (`angelgpt rehearse`, which runs train's code) its own
+OPTIONS = {"rehearse": {"rank": "--rank", "steps": "--steps"},
+           "train": {"rank": "--rehearse-rank", "steps": "--rehearse-steps"}}
+_COMMAND = contextvars.ContextVar("angelgpt_rehearsal_command", default="train")
+
+
+@contextlib.contextmanager
+def as_command(name: str):
+    """Within it, a rehearsal's messages name the options of command `name` (a key of OPTIONS)."""
+    token = _COMMAND.set(name)
+    try:
+        yield
+    finally:
+        _COMMAND.reset(token)
+
+
+def refuse_without_gpu(cfg, machine: Optional[str]) -> None:
+    """A GPU job (its target a catalogue GPU machine, or a config the CPU cannot run) rehearsed where no GPU
+    is visible, its device not chosen: refused in one line saying what works. Rehearsing on the CPU is
+    chosen with --device cpu, for a model the CPU can hold."""
+    from angelgpt.config import ConfigError
+
+    if machine is not None:
+        why = f"its target, --machine {machine}, is a GPU machine"
+    else:
+        try:
+            cfg.check_device(on_gpu=False)
+            return
+        except ConfigError as exc:  # e.g. "model.recompute 'full' needs CUDA (...)": the setting only
+            why = str(exc).split(" (")[0].split(";")[0]
+    raise ConfigError(f"this GPU job cannot be rehearsed without a GPU, and none is visible here ({why}): "
+                      f"rehearse it on a machine with a GPU, or rehearse its --device cpu form, a model the CPU "
+                      f"can hold (e.g. --size tiny --device cpu)")
 
 
 def coordinates(rank: int, tp: int, pp: int, dp: int) -> dict:
@@ -195,15 +233,16 @@ def rehearse(cfg, size: Optional[str], config: Optional[str], extra: List[str], 
     for name, value in (("--gpu-mem", gpu_mem), ("--host-mem", host_mem)):
         if value is not None and not value > 0:
             raise ConfigError(f"{name} must be > 0 GiB, got {value}")
+    names = OPTIONS[_COMMAND.get()]
     if steps < 1:
-        raise ConfigError(f"--rehearse-steps must be >= 1, got {steps}")
+        raise ConfigError(f"{names['steps']} must be >= 1, got {steps}")
     world = nproc_per_node * nnodes
     tp, pp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
     dp = cfg.data_parallel_size(world)
     ranks = list(ranks) if ranks else default_ranks(tp, pp, dp)
     bad = [r for r in ranks if not 0 <= r < world]
     if bad:
-        raise ConfigError(f"--rehearse-rank {bad[0]} is not a rank of a world of {world} "
+        raise ConfigError(f"{names['rank']} {bad[0]} is not a rank of a world of {world} "
                           f"({nnodes} x {nproc_per_node}): 0 to {world - 1}")
 
     hw, gpu_total = target_machine(cfg.zero_cache, on_gpu, nproc_per_node, machine, gpu_mem, host_mem)
@@ -248,9 +287,11 @@ def rehearse(cfg, size: Optional[str], config: Optional[str], extra: List[str], 
     worker_args = (["--size", size] if size else []) + (["--config", config] if config else []) + extra + overrides
 
     budget = f" ({_gib(host_max * GIB)} ZeRO-Cache host budget per rank)" if cfg.optim.optimizer == "zero_cache" else ""
-    gpu_text = f"{hw.gpu_mem_gib:.1f} GiB per GPU" if hw.gpu_mem_gib else "no GPU"
-    print(f"rehearsal of a job of {nnodes} x {nproc_per_node} ranks (TP {tp} x PP {pp} x DP {dp}) on the target "
-          f"{hw.name}: {gpu_text}, {hw.host_mem_gib:.1f} GiB host per node{budget}; {steps} steps on "
+    target = (f"the target {hw.name}: {hw.gpu_mem_gib:.1f} GiB per GPU" if on_gpu or machine else  # a GPU read here
+              f"a target node of {nproc_per_node} GPUs of {hw.gpu_mem_gib:.1f} GiB" if hw.gpu_mem_gib else
+              "a target node without a GPU")
+    print(f"rehearsal of a job of {nnodes} x {nproc_per_node} ranks (TP {tp} x PP {pp} x DP {dp}) on {target}, "
+          f"{hw.host_mem_gib:.1f} GiB host per node{budget}; {steps} steps on "
           f"{'this GPU, its allocator capped at ' + _gib(gpu_cap) if on_gpu else 'the CPU'}; ranks "
           f"{', '.join(str(r) for r in ranks)}", flush=True)
     if on_gpu and int(hw.gpu_mem_gib * GIB) > gpu_total:

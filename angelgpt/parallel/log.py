@@ -5,6 +5,7 @@
     log = get_logger(__name__)
     log.info("built the model")           # printed by rank 0 only
     log.info(line, extra=EVERY_RANK)      # printed by whichever rank calls it (the rank that owns the loss)
+    setup_logging(rank_prefix=True)       # a rehearsed rank: its every INFO line, as '[rank R] ...'
     log.warning("slow step")              # any rank, on stderr, prefixed 'angelgpt: rank R: '
 
 INFO lines carry no prefix, so Megatron-style iteration lines read as Megatron prints them.
@@ -32,12 +33,18 @@ def _rank() -> int:
 
 
 class _RankZeroInfo(logging.Filter):
-    """INFO and below from rank 0 (or marked EVERY_RANK); the stream handler for warnings takes the rest."""
+    """INFO and below from rank 0 (or marked EVERY_RANK; every rank's with `every_rank`); the stream handler
+    for warnings takes the rest."""
+
+    def __init__(self, every_rank: bool = False):
+        super().__init__()
+        self.every_rank = every_rank
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno >= logging.WARNING:
             return False
-        return getattr(record, "every_rank", False) or _rank() == 0
+        record.rank = _rank()
+        return self.every_rank or getattr(record, "every_rank", False) or record.rank == 0
 
 
 class _Warnings(logging.Filter):
@@ -51,15 +58,16 @@ def get_logger(name: str) -> logging.Logger:
     return logging.getLogger(name if name.startswith(ROOT) else f"{ROOT}.{name}")
 
 
-def setup_logging(level: int = logging.INFO) -> None:
+def setup_logging(level: int = logging.INFO, rank_prefix: bool = False) -> None:
     """INFO to stdout (rank 0, unprefixed), WARNING and above to stderr from every rank with its rank.
-    Safe to call again: handlers are installed once."""
+    `rank_prefix` (a rehearsal, one process per rank, each the only one on its stdout): every rank's INFO,
+    each line prefixed '[rank R] '. Safe to call again: handlers are installed once, by the first call."""
     root = logging.getLogger(ROOT)
     if getattr(root, "_angelgpt_configured", False):
         return
     out = logging.StreamHandler(sys.stdout)
-    out.addFilter(_RankZeroInfo())
-    out.setFormatter(logging.Formatter("%(message)s"))
+    out.addFilter(_RankZeroInfo(every_rank=rank_prefix))
+    out.setFormatter(logging.Formatter("[rank %(rank)s] %(message)s" if rank_prefix else "%(message)s"))
     err = logging.StreamHandler(sys.stderr)
     err.addFilter(_Warnings())
     err.setFormatter(logging.Formatter("angelgpt: rank %(rank)s: %(message)s"))

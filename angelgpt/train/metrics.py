@@ -49,12 +49,15 @@ def scalars(record: dict) -> Iterator[Tuple[str, float]]:
 
 
 class MetricsWriter:
-    """Writes on the rank that owns the loss (the last pipeline stage's first TP/DP rank)."""
+    """Writes on the rank that owns the loss (the last pipeline stage's first TP/DP rank). Off a GPU
+    (`on_gpu` False) the log line leaves out the GPU fields (TFLOP/s per GPU, GPU memory); the records
+    written keep every key."""
 
     def __init__(self, enabled: bool, metrics_file: Optional[str], tensorboard_dir: Optional[str],
                  append: bool = False, wandb_project: Optional[str] = None, wandb_mode: Optional[str] = None,
-                 wandb_dir: Optional[str] = None, run_config: Optional[dict] = None):
+                 wandb_dir: Optional[str] = None, run_config: Optional[dict] = None, on_gpu: bool = True):
         self.enabled = enabled
+        self.on_gpu = on_gpu
         self.jsonl = None
         self.tb = None
         self.wandb = None
@@ -72,12 +75,14 @@ class MetricsWriter:
 
     @classmethod
     def for_config(cls, enabled: bool, cfg, append: bool = False) -> "MetricsWriter":
-        """The writer of cfg.logging's sinks; W&B gets the (resolved) config as its run config."""
+        """The writer of cfg.logging's sinks; W&B gets the (resolved) config as its run config. On a GPU
+        as the worker decides it: train.device 'cuda', or 'auto' where CUDA is available."""
         from angelgpt.config import to_dict
 
         lg = cfg.logging
+        on_gpu = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
         return cls(enabled, lg.metrics_file, lg.tensorboard_dir, append, lg.wandb_project, lg.wandb_mode,
-                   lg.wandb_dir, to_dict(cfg))
+                   lg.wandb_dir, to_dict(cfg), on_gpu)
 
     def log(self, record: dict, train_iters: int, consumed: int, skipped: int) -> None:
         if not self.enabled:
@@ -86,8 +91,8 @@ class MetricsWriter:
             f" iteration {record['iteration']:8d}/{train_iters:8d} |"
             f" consumed samples: {consumed:12d} |"
             f" elapsed time per iteration (ms): {record['elapsed_ms']:.1f} |"
-            f" throughput per GPU (TFLOP/s/GPU): {record['tflops_per_gpu']:.1f} |"
-            f" tokens/s: {record['tokens_per_s']:.0f} |"
+            + (f" throughput per GPU (TFLOP/s/GPU): {record['tflops_per_gpu']:.1f} |" if self.on_gpu else "")
+            + f" tokens/s: {record['tokens_per_s']:.0f} |"
             f" learning rate: {record['lr']:.6E} |"
             f" lm loss: {record['lm_loss']:.6E} |"
         )
@@ -96,7 +101,8 @@ class MetricsWriter:
         line += (
             f" grad norm: {record['grad_norm']:.3f} |"
             f" skipped iterations: {skipped:3d} |"
-            f" mem GPU (GiB): {record['mem_gpu_gib']:.2f} | mem host (GiB): {record['mem_host_gib']:.2f} |"
+            + (f" mem GPU (GiB): {record['mem_gpu_gib']:.2f} |" if self.on_gpu else "")
+            + f" mem host (GiB): {record['mem_host_gib']:.2f} |"
         )
         log.info(line, extra=EVERY_RANK)
         if self.jsonl:

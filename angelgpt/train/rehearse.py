@@ -83,9 +83,11 @@ def main(argv=None) -> int:
 
     from angelgpt import parallel
     from angelgpt.config import ConfigError, from_argv
+    from angelgpt.parallel.log import setup_logging
     from angelgpt.planner import Machine
     from angelgpt.train.worker import make_trainer
 
+    setup_logging(rank_prefix=True)  # this rank's lines, as every rehearsed rank's, shown as '[rank R] ...'
     settings = json.loads(os.environ[REHEARSE_ENV])
     report = {"rank": settings["rank"], "fits": False, "ran_out": None, "error": None}
     trainer, on_gpu, rc = None, False, 0

@@ -87,3 +87,16 @@ def test_a_rank_outgrowing_its_share_of_the_host_is_stopped_by_the_launcher(tmp_
     assert r["measured"]["host_peak_rss_bytes"] > 2 * 1024 ** 3 == r["host_limit_bytes"]
     left = [p for p in psutil.process_iter(["cmdline"]) if str(report) in " ".join(p.info["cmdline"] or [])]
     assert not left  # no rehearsed rank left running
+
+
+def test_every_rehearsed_ranks_worker_lines_are_shown_prefixed_by_its_rank():
+    """Each rehearsed rank prints its own lines, not only rank 0 (and the loss owner's iteration lines),
+    each prefixed '[rank R] ' so that the ranks' lines tell apart."""
+    proc = run_cli("rehearse", "--size", "tiny", "--device", "cpu", "--nproc-per-node", "2",
+                   "parallel.pipeline_model_parallel_size=2", "--steps", "1", "--host-mem", "64", timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    for rank in (0, 1):  # the first and the last stage
+        assert f"[rank {rank}] training from iteration 0 to 1 (DP=1, TP=1, PP=2, device=cpu)" in lines, proc.stdout
+    assert any(line.startswith("[rank 1]  iteration        1/       1 |") for line in lines), proc.stdout
+    assert not any(line.startswith(("training from", " iteration")) for line in lines), proc.stdout

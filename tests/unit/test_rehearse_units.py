@@ -137,3 +137,56 @@ def test_rehearse_is_a_command_of_its_own_as_train_rehearse_is():
     assert own.stdout == alias.stdout
     bad = run_cli_in_process("rehearse", "--size", "tiny", "--device", "cpu", "--steps", "x")
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+
+
+def test_each_rehearsal_command_names_its_own_options_in_its_errors():
+    from tests.helpers import run_cli_in_process
+
+    job = ["--size", "tiny", "--device", "cpu", "--nproc-per-node", "2"]
+    for args, needle, other in (
+            (["rehearse", *job, "--rank", "99"], "--rank 99 is not a rank of a world of 2", "--rehearse-rank"),
+            (["rehearse", *job, "--steps", "0"], "--steps must be >= 1, got 0", "--rehearse-steps"),
+            (["train", "--rehearse", *job, "--rehearse-rank", "99"], "--rehearse-rank 99 is not a rank", None),
+            (["train", "--rehearse", *job, "--rehearse-steps", "0"], "--rehearse-steps must be >= 1", None)):
+        proc = run_cli_in_process(*args)
+        check_one_line_error(proc, needle)
+        assert other is None or other not in proc.stderr
+
+
+@pytest.mark.parametrize("job, why", [
+    (["--size", "55", "--nproc-per-node", "8", "--machine", "a100-40gx8"], "--machine a100-40gx8, is a GPU machine"),
+    (["--size", "55", "--nproc-per-node", "8"], "model.recompute 'full' needs CUDA)")])
+def test_a_gpu_job_is_refused_a_rehearsal_without_a_gpu_saying_what_works(job, why):
+    """Without a GPU and without --device, a GPU job (a GPU target, or a config only CUDA runs) is not
+    rehearsed on the CPU: one line says so and what works, before anything is planned or started."""
+    import torch
+
+    from tests.helpers import run_cli_in_process
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: the job is rehearsed on it")
+    proc = run_cli_in_process("rehearse", *job)
+    check_one_line_error(proc, "this GPU job cannot be rehearsed without a GPU")
+    line = proc.stderr.strip()
+    assert why in line and "a machine with a GPU" in line and "--device cpu" in line
+    assert "use 'none' on CPU" not in line
+    assert proc.stdout == ""
+    # its --device cpu form, chosen, is rehearsed on the CPU (here its dry run: the command, nothing run)
+    tiny = run_cli_in_process("rehearse", "--size", "tiny", "--device", "cpu", "--nproc-per-node", "8",
+                              "--machine", "a100-40gx8", "train.global_batch_size=32", "--dry-run")
+    assert tiny.returncode == 0, tiny.stderr
+    assert "rehearsal command (one per rank): " in tiny.stdout
+
+
+def test_a_cpu_rehearsal_header_names_a_target_without_a_gpu():
+    from tests.helpers import run_cli_in_process
+
+    job = ["--size", "tiny", "--device", "cpu", "--nproc-per-node", "8", "train.global_batch_size=32",
+           "--host-mem", "64", "--dry-run"]
+    header = run_cli_in_process("rehearse", *job).stdout.splitlines()[0]
+    assert header == ("rehearsal of a job of 1 x 8 ranks (TP 1 x PP 1 x DP 8) on a target node without a GPU, "
+                      "64.0 GiB host per node; 3 steps on the CPU; ranks 0")
+    with_gpus = run_cli_in_process("rehearse", *job, "--gpu-mem", "40").stdout.splitlines()[0]
+    assert "on a target node of 8 GPUs of 40.0 GiB, 64.0 GiB host per node;" in with_gpus
+    machine = run_cli_in_process("rehearse", *job, "--machine", "a100-40gx8").stdout.splitlines()[0]
+    assert "on the target a100-40gx8: 39.4 GiB per GPU, 64.0 GiB host per node;" in machine
