@@ -52,7 +52,7 @@ def test_dry_run_prints_command_and_exits_0():
     assert proc.returncode == 0, proc.stderr
     assert "num_layers: 3" in proc.stdout
     line = next(l for l in proc.stdout.splitlines() if l.startswith("torchrun command: "))
-    assert "-m torch.distributed.run --nproc-per-node 2 --standalone -m angelgpt.train.worker" in line
+    assert "-m torch.distributed.run --nproc-per-node 2 --standalone --signals-to-handle SIGHUP,SIGQUIT -m angelgpt.train.worker" in line
     assert "num_layers=3" in line and "train.device=cpu" in line
 
 

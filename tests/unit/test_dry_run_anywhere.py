@@ -27,7 +27,7 @@ def test_gpu_job_dry_run_without_a_gpu_prints_config_command_and_skips_the_plan(
     assert proc.stderr == ""
     assert "num_layers: 68" in proc.stdout and "params: 55,198,007,296" in proc.stdout
     line = _torchrun_line(proc)
-    assert "--nproc-per-node 8 --standalone -m angelgpt.train.worker --size 55" in line
+    assert "--nproc-per-node 8 --standalone --signals-to-handle SIGHUP,SIGQUIT -m angelgpt.train.worker --size 55" in line
     assert "train.device=cpu" not in line  # the job runs on the target's GPUs
     skipped = [l for l in proc.stdout.splitlines() if l.startswith("plan: skipped")]
     assert len(skipped) == 1 and "no GPU is visible" in skipped[0], proc.stdout
