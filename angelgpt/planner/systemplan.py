@@ -9,7 +9,8 @@ from typing import Dict, Optional
 
 from angelgpt.config import Config
 from angelgpt.model.flops import flops_per_iteration
-from angelgpt.planner.calibration import GIB
+from angelgpt.planner.calibration import GIB, MODEL_BYTES
+from angelgpt.planner.layout import rank_params
 from angelgpt.planner.machines import Machine
 from angelgpt.planner.memory import micro_batches_in_flight, offloaded_activation_bytes
 from angelgpt.zero_cache.placement import GPU_HEADROOM
@@ -72,6 +73,8 @@ def finish(system, cfg, hw, gpus_per_node, world, gpu, host, nvme, step, rate=No
         mb = cfg.num_microbatches(dp)
         host = {**host, "offloaded_activations": offloaded * micro_batches_in_flight(cfg, dp, pp_rank)}
         step = {**step, "activation_offload": mb * 2 * offloaded / (hw.pcie_gbs * 1e9)}
+    if cfg.checkpoint.async_save:  # the host buffer asynchronous saves stage into, kept from save to save
+        host = {**host, "checkpoint_staging": checkpoint_staging_bytes(cfg, world, pp_rank)}
     gpu_total = sum(gpu.values())
     host_total = sum(host.values()) * gpus_per_node  # ranks of one node share its host memory
     nvme_total = nvme * gpus_per_node
@@ -87,6 +90,13 @@ def finish(system, cfg, hw, gpus_per_node, world, gpu, host, nvme, step, rate=No
                       round(flops / total / world / 1e12, 1), recompute=cfg.model.recompute,
                       recompute_num_layers=cfg.model.recompute_num_layers,
                       activation_offload="checkpoints" if offloaded else "none")
+
+
+def checkpoint_staging_bytes(cfg: Config, world: int, pp_rank: int = 0) -> int:
+    """Host bytes a rank stages an asynchronous save into, at most: its shard of the fp32 master and two
+    moments (12 bytes a parameter over DP) and the bf16 weights it may be the main replica of."""
+    n = sum(p.numel for p in rank_params(cfg, pp_rank))
+    return -(-n * 12 // cfg.data_parallel_size(world)) + n * MODEL_BYTES
 
 
 def shortfall(p: SystemPlan) -> int:

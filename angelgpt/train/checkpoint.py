@@ -32,7 +32,7 @@ from angelgpt import parallel
 from angelgpt.config import ConfigError
 from angelgpt.parallel.log import get_logger
 from angelgpt.system import GIB
-from angelgpt.train.checkpoint_writer import PlanningStrategy, host_memory_available
+from angelgpt.train.checkpoint_writer import HostStaging, PlanningStrategy, host_memory_available
 
 log = get_logger(__name__)
 
@@ -195,6 +195,7 @@ class Saver:
         self.events = []
         self._told = False
         self.last_save_s: Optional[float] = None  # the last finalized save's time, start to finalized
+        self.staging = HostStaging()  # kept from save to save: after the first, a save allocates nothing
 
     def save(self, iteration: int, consumed: int, model, optimizer, scheduler, asynchronous: bool) -> None:
         started = time.perf_counter()
@@ -214,9 +215,10 @@ class Saver:
                                            metadata=metadata),
                                     str(tmp), sharded_strategy=strategy, content_metadata=metadata)
             job = strategy.job
-            staged = (asynchronous or not self.multi_slice) and self._room_for(job.staging_bytes(), asynchronous)
+            staged = (asynchronous or not self.multi_slice) and self._room_for(
+                job.staging_bytes() - self.staging.nbytes(), asynchronous)
             if staged:
-                job.stage()  # the states as of this iteration: the next step updates them in place
+                job.stage(self.staging)  # the states as of this iteration: the next step updates them in place
             if not (staged and asynchronous):
                 job.write()
         event = {"save_iteration": iteration, "async": int(staged and asynchronous),

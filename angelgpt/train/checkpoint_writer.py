@@ -6,7 +6,8 @@
 
 Planning and finishing are collectives and run in the training thread on every rank; the write does
 no communication, so a thread may run it while training goes on. An asynchronous write first copies
-every tensor this rank writes into host memory (`staged`), so that the next optimizer step, which
+every tensor this rank writes into host memory (`staged`, into a buffer kept from save to save:
+HostStaging), so that the next optimizer step, which
 updates the states in place, cannot change what is written. Each data file's size and CRC32 are taken
 from the bytes as they are written (`written`, for the manifest), not by reading the files back.
 
@@ -75,10 +76,39 @@ class _CRCFileSystem(FileSystem):
         self.written[Path(path).name] = (stream.size, stream.crc)
 
 
-def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
-    """A compact host-memory copy (a GPU tensor's through device-to-host copy, a host or NVMe-mapped
-    one's through memcpy)."""
-    return torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu").copy_(tensor.detach())
+_ALIGN = 64  # bytes: every staged tensor starts at a multiple (any dtype's view of the buffer is aligned)
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+class HostStaging:
+    """The host memory asynchronous saves stage into: one buffer, allocated at the first save and kept
+    for the next ones (grown when a save needs more), page-locked in place where CUDA runs so that the
+    device-to-host copies run at the link's speed with no page faults. `close()` frees it."""
+
+    def __init__(self):
+        self.buffer: Optional[torch.Tensor] = None
+        self.pinned = False
+
+    def nbytes(self) -> int:
+        return 0 if self.buffer is None else self.buffer.numel()
+
+    def reserve(self, nbytes: int) -> torch.Tensor:
+        """The buffer, at least nbytes long (a new one only when the kept one is shorter)."""
+        if self.buffer is None or self.buffer.numel() < nbytes:
+            self.close()
+            self.buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                err = torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), self.buffer.numel(), 0)
+                self.pinned = int(getattr(err, "value", err)) == 0  # else pageable: slower, still correct
+        return self.buffer
+
+    def close(self) -> None:
+        if self.buffer is not None and self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
+        self.buffer, self.pinned = None, False
 
 
 class _StagedPlanner:
@@ -130,20 +160,28 @@ class WriteJob:
         return self.planner.finish_plan(self.dist.reduce_scatter("plan", local_step, global_step))
 
     def staging_bytes(self) -> int:
-        """Host bytes a staged copy of what this rank writes takes."""
+        """Host bytes a staged copy of what this rank writes takes (each tensor aligned)."""
         total = 0
         for item in self.plan.items:
             if item.type != WriteItemType.BYTE_IO:
                 data = self.planner.resolve_data(item)
-                total += data.numel() * data.element_size()
+                total += _aligned(data.numel() * data.element_size())
         return total
 
-    def stage(self) -> None:
-        """Copies every item this rank writes into host memory (tensors) or bytes (objects)."""
-        staged = {}
+    def stage(self, staging: HostStaging) -> None:
+        """Copies every item this rank writes into `staging`'s buffer (tensors, the device's ones as
+        asynchronous copies waited for together) or bytes (objects)."""
+        buffer = staging.reserve(self.staging_bytes())
+        staged, offset = {}, 0
         for item in self.plan.items:
             data = self.planner.resolve_data(item)
-            staged[item.index] = data if item.type == WriteItemType.BYTE_IO else _host_copy(data)
+            if item.type == WriteItemType.BYTE_IO:
+                staged[item.index] = data
+                continue
+            nbytes = data.numel() * data.element_size()
+            copy = buffer[offset:offset + nbytes].view(data.dtype).view(data.shape)
+            staged[item.index] = copy.copy_(data.detach(), non_blocking=staging.pinned)
+            offset += _aligned(nbytes)
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
         self.staged_bytes = sum(t.numel() * t.element_size() for t in staged.values() if isinstance(t, torch.Tensor))

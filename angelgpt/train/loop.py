@@ -260,6 +260,7 @@ class Trainer:
             loss, stop, aborting, in_a_row = self._iterations(it, profiling, flops, tokens_per_iter, world)
             if self.saver:  # the last save is synchronous: nothing is left in flight, but be sure
                 self.saver.finalize(blocking=True)
+                self.saver.staging.close()
         except BaseException:
             # this rank's write ends (or is left behind after its time); the save stays unfinalized
             # (iter_N.tmp); the optimizer's threads and files, the profiler and the metrics sinks close
