@@ -17,6 +17,7 @@ from angelgpt.data.dataset import micro_batches
 from angelgpt.model.flops import flops_per_iteration
 from angelgpt.parallel.log import EVERY_RANK, get_logger
 from angelgpt.train import checkpoint
+from angelgpt.train.checkpoint_check import resume_root
 from angelgpt.optimizer import Optimizer
 from angelgpt.train.metrics import MetricsWriter, Profiling, gpu_alloc_retries, gpu_memory_gib, host_memory_gib
 
@@ -229,7 +230,7 @@ class Trainer:
     def maybe_resume(self) -> None:
         """Resumes from checkpoint.load, else from checkpoint.save when it holds one (a restarted run)."""
         ck = self.cfg.checkpoint
-        root = ck.load or (ck.save if ck.save and checkpoint.latest_iteration(ck.save) is not None else None)
+        root = resume_root(ck.load, ck.save)  # as the launcher checked it
         if root:
             self.iteration, self.consumed = checkpoint.load(root, self.model, self.optimizer, self.scheduler)
             log.info(f"resumed from {root} at iteration {self.iteration}")
