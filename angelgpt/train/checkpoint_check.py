@@ -93,7 +93,7 @@ def manifest(path: Path) -> dict:
         raise ConfigError(f"checkpoint {path} is incomplete: it has no {MANIFEST}")
     try:
         data = json.loads(f.read_text())
-        data["files"]
+        data["files"], int(data["iteration"])
     except (ValueError, KeyError, TypeError):
         raise ConfigError(f"checkpoint {path} is corrupted: {MANIFEST} does not parse") from None
     return data
@@ -147,10 +147,11 @@ def check_resume(config: dict) -> Optional[int]:
         return None
     what = "checkpoint.load" if ck.get("load") else "checkpoint.save"
     path = find_checkpoint(root, what=what)
-    saved = manifest(path).get("config")
+    data = manifest(path)
+    saved = data.get("config")
     problem = model_mismatch(saved, config) if isinstance(saved, dict) else None
     if problem:
         hint = "" if what == "checkpoint.load" else " (a run resumes from the checkpoint in its checkpoint.save: " \
                                                     "save elsewhere to train another model)"
         raise ConfigError(f"{what} {root} holds another model: {problem}{hint}")
-    return int(path.name[5:])
+    return int(data["iteration"])
