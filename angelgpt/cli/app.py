@@ -22,6 +22,7 @@ from angelgpt.cli.launch import fail
 from angelgpt.cli.tools import data_app, presets_app, tokenizer_app
 from angelgpt.cli.rehearse import as_command, refuse_without_gpu
 from angelgpt.config import ConfigError, parse
+from angelgpt.train import checkpoint_check  # (no torch: a --load is checked before torch is imported)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   rich_markup_mode=None, help="GPT pretraining on Megatron-core with ZeRO-Cache.")
@@ -207,6 +208,8 @@ def train(
                       gpu_mem, host_mem, machine, rehearse_report or metrics_file, dry_run)
         return
 
+    if launch.nothing_to_train(cfg):  # (a resume's checkpoint is checked first)
+        return
     from angelgpt.train.lifetime import take_save_lock
 
     # one run per --save DIR, taken before anything is printed: a second run's refusal is one line
@@ -261,6 +264,7 @@ def export_command(
     overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing --output"),
 ) -> None:
     """A checkpoint as a Hugging Face transformers GPT-2 directory (safetensors, config, tokenizer)."""
+    checkpoint_check.find_checkpoint(load, iteration)
     from angelgpt.export import quiet
     from angelgpt.export.export import export
 
@@ -285,6 +289,8 @@ def generate_command(
     as_json: bool = typer.Option(False, "--json", help='print {"prompt_ids", "new_ids", "text", "stop_reason"}'),
 ) -> None:
     """Continue a prompt with a checkpoint (angelgpt's GPT, one process) or an exported model."""
+    if not checkpoint_check.is_hf_dir(load):
+        checkpoint_check.find_checkpoint(load, iteration)
     from angelgpt.export import quiet
     from angelgpt.export.generate import generate, render
 
@@ -303,6 +309,7 @@ def eval_command(
     as_json: bool = typer.Option(False, "--json", help="print JSON"),
 ) -> None:
     """Validation loss and perplexity of a checkpoint, without training (one process, any layout)."""
+    checkpoint_check.find_checkpoint(load, iteration)
     from angelgpt.export import quiet
     from angelgpt.export.evaluate import evaluate, render
 

@@ -38,6 +38,21 @@ def fail(message: str) -> None:
     raise SystemExit(2)
 
 
+def nothing_to_train(cfg) -> bool:
+    """Before launch: refuses (ConfigError) a checkpoint the run would resume from (checkpoint.load, or
+    checkpoint.save holding one) that is missing, unfinished or of another model; True, having said so,
+    when it is at train.train_iters already (nothing to launch: not an error)."""
+    from angelgpt.config import to_dict
+    from angelgpt.train.checkpoint_check import check_resume
+
+    at = check_resume(to_dict(cfg))
+    if at is None or at < cfg.train.train_iters:
+        return False
+    print(f"angelgpt: nothing to train: the checkpoint is at iteration {at} and train.train_iters is "
+          f"{cfg.train.train_iters}; raise train.train_iters to train on", flush=True)
+    return True
+
+
 def torchrun_command(rdzv: Rendezvous, worker_args: List[str]) -> List[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(rdzv.nproc_per_node)]
     if rdzv.rdzv_endpoint:

@@ -38,32 +38,11 @@ MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.")
 
 
 def find_checkpoint(path: str, iteration: Optional[int] = None) -> Path:
-    """The iteration directory to read: ``path`` may be a save directory (its tracker names the latest
-    checkpoint, or ``iteration`` picks one) or one ``iter_NNNNNNN`` directory itself. The directory is
-    verified against its manifest."""
+    """The iteration directory to read (`checkpoint_check.find_checkpoint`: a save directory or one
+    ``iter_NNNNNNN`` directory), verified against its manifest's sizes and CRC32s."""
     from angelgpt.train import checkpoint
 
-    root = Path(path)
-    if not root.exists():
-        raise ConfigError(f"--load {path}: no such directory")
-    if not root.is_dir():
-        raise ConfigError(f"--load {path} is not a directory")
-    if (root / checkpoint.MANIFEST).is_file() or root.name.startswith("iter_"):
-        if iteration is not None and root.name != f"iter_{iteration:07d}":
-            raise ConfigError(f"--iteration {iteration} does not name {root}; give the save directory above it")
-        found = root
-    else:
-        if iteration is None:
-            iteration = checkpoint.latest_iteration(str(root))
-            if iteration is None:
-                done = sorted(p.name for p in root.glob("iter_???????") if p.is_dir())
-                hint = f" (it holds {', '.join(done)}: pick one with --iteration)" if done else ""
-                raise ConfigError(f"--load {path} holds no checkpoint: no {checkpoint.TRACKER}{hint}")
-        found = root / f"iter_{iteration:07d}"
-        if not found.is_dir():
-            present = sorted(int(p.name[5:]) for p in root.glob("iter_???????") if p.is_dir() and p.name[5:].isdigit())
-            listed = f"; it holds {', '.join(map(str, present))}" if present else ""
-            raise ConfigError(f"--load {path} has no checkpoint of iteration {iteration}{listed}")
+    found = checkpoint.find_checkpoint(path, iteration)
     problem = checkpoint.verify(found)
     if problem:
         raise ConfigError(problem)

@@ -153,7 +153,7 @@ def generate_hf(load: str, prompt: str, max_new: int, temperature: float, top_k:
 def generate(load: str, prompt: str, max_new_tokens: int = 50, temperature: float = 1.0,
              top_k: Optional[int] = None, seed: int = 1234, device: str = "cpu",
              iteration: Optional[int] = None) -> dict:
-    from angelgpt.export.local_model import is_hf_dir
+    from angelgpt.train.checkpoint_check import is_hf_dir
 
     if device not in ("cpu", "cuda"):
         raise ConfigError(f"--device must be 'cpu' or 'cuda', got '{device}'")
@@ -164,7 +164,7 @@ def generate(load: str, prompt: str, max_new_tokens: int = 50, temperature: floa
     if max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     if not Path(load).is_dir():
-        raise ConfigError(f"--load {load}: no such directory")
+        raise ConfigError(f"--load {load} does not exist or is not a directory")
     if is_hf_dir(load):
         if iteration is not None:
             raise ConfigError("--iteration applies to checkpoint directories, not an exported model")

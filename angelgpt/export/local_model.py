@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import tempfile
 from contextlib import contextmanager
-from pathlib import Path
 from typing import List, Optional
 
 import torch
@@ -56,6 +55,12 @@ def run_config(reader, overrides: Optional[List[str]] = None, device: str = "cpu
     if cfg.padded_vocab_size() != padded:
         raise ConfigError(f"model.vocab_size {cfg.model.vocab_size} does not fit the checkpoint's vocabulary "
                           f"of {padded}")
+    from angelgpt.config import to_dict
+    from angelgpt.train.checkpoint_check import model_mismatch
+
+    problem = model_mismatch(reader.config, to_dict(cfg))  # a model.* override that reshapes a parameter
+    if problem:
+        raise ConfigError(f"--load {reader.path} holds another model: {problem}")
     cfg.check_device(device == "cuda")
     return cfg
 
@@ -131,10 +136,3 @@ def load_local_model(reader, device: str = "cpu", overrides: Optional[List[str]]
             model.cuda()
         model.eval()
         yield model, cfg
-
-
-def is_hf_dir(path: str) -> bool:
-    """A transformers model directory (config.json, no angelgpt checkpoint)."""
-    p = Path(path)
-    return (p / "config.json").is_file() and not (p / "latest_checkpointed_iteration.txt").is_file() \
-        and not (p / "manifest.json").is_file()

@@ -32,20 +32,11 @@ from angelgpt import parallel
 from angelgpt.config import ConfigError
 from angelgpt.parallel.log import get_logger
 from angelgpt.system import GIB
+from angelgpt.train.checkpoint_check import MANIFEST, TRACKER, find_checkpoint, latest_iteration  # noqa: F401
+from angelgpt.train.checkpoint_check import iter_dir as _iter_dir
 from angelgpt.train.checkpoint_writer import HostStaging, PlanningStrategy, host_memory_available
 
 log = get_logger(__name__)
-
-TRACKER = "latest_checkpointed_iteration.txt"
-
-
-def _iter_dir(root: Path, iteration: int) -> Path:
-    return root / f"iter_{iteration:07d}"
-
-
-def iteration_dir(root: str, iteration: int) -> str:
-    """Where the checkpoint of `iteration` lives under `root` (as the user wrote root)."""
-    return os.path.join(root, f"iter_{iteration:07d}")
 
 
 def _rng_state() -> dict:
@@ -123,9 +114,6 @@ def _state(model, optimizer, scheduler, iteration: int, consumed: int, loading: 
         "consumed_samples": consumed,
         "rng_state": _rng_sharded_object(None if loading else _rng_state(), saved_layout),
     }
-
-
-MANIFEST = "manifest.json"
 
 
 def _fsync(path: Path) -> None:
@@ -324,24 +312,9 @@ def _is_megatrons(optimizer) -> bool:
     return isinstance(optimizer, MegatronDistributedOptimizer)
 
 
-def latest_iteration(root: str) -> Optional[int]:
-    tracker = Path(root) / TRACKER
-    if not tracker.is_file():
-        return None
-    text = tracker.read_text().strip()
-    if not text.isdigit():
-        raise ConfigError(f"checkpoint tracker {tracker} is corrupt: expected an iteration, got '{text[:40]}'")
-    return int(text)
-
-
 def load(root: str, model, optimizer, scheduler) -> Tuple[int, int]:
     """Loads the latest checkpoint under root into model/optimizer/scheduler; returns (iteration, consumed)."""
-    iteration = latest_iteration(root)
-    if iteration is None:
-        raise ConfigError(f"checkpoint.load: no {TRACKER} in {root}")
-    path = _iter_dir(Path(root), iteration)
-    if not path.is_dir():
-        raise ConfigError(f"checkpoint.load: {TRACKER} names iteration {iteration} but {path} is missing")
+    path = find_checkpoint(root, what="checkpoint.load")
     problem = [verify(path), _saved_layout(path), None] if dist.get_rank() == 0 else [None, None, None]
     if problem[0] is None and dist.get_rank() == 0:
         problem[2] = dist_checkpointing.load_content_metadata(str(path))
@@ -372,6 +345,10 @@ def load(root: str, model, optimizer, scheduler) -> Tuple[int, int]:
                                                          validate_access_integrity=False)["rng_state"]
         _module(model).load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["opt_param_scheduler"])
+    from angelgpt.optimizer.schedule import load_schedule
+
+    changed = load_schedule(scheduler, state["opt_param_scheduler"])
+    if changed:
+        log.info(f"learning-rate schedule: {changed}")
     _set_rng_state(state["rng_state"])
     return int(state["iteration"]), int(state["consumed_samples"])

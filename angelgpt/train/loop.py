@@ -18,7 +18,8 @@ from angelgpt.model.flops import flops_per_iteration
 from angelgpt.parallel.log import EVERY_RANK, get_logger
 from angelgpt.optimizer import Optimizer
 from angelgpt.train import checkpoint
-from angelgpt.train.stop import RESERVE_FACTOR, RunControl, save_estimate_s
+from angelgpt.train.checkpoint_check import resume_root
+from angelgpt.train.stop import RESERVE_FACTOR, RunControl, report_stop, save_estimate_s
 from angelgpt.train.metrics import MetricsWriter, Profiling, gpu_alloc_retries, gpu_memory_gib, host_memory_gib
 
 log = get_logger(__name__)
@@ -203,7 +204,7 @@ class Trainer:
     def maybe_resume(self) -> None:
         """Resumes from checkpoint.load, else from checkpoint.save when it holds one (a restarted run)."""
         ck = self.cfg.checkpoint
-        root = ck.load or (ck.save if ck.save and checkpoint.latest_iteration(ck.save) is not None else None)
+        root = resume_root(ck.load, ck.save)  # as the launcher checked it
         if root:
             self.iteration, self.consumed = checkpoint.load(root, self.model, self.optimizer, self.scheduler)
             log.info(f"resumed from {root} at iteration {self.iteration}")
@@ -279,27 +280,9 @@ class Trainer:
             where = f"; the last good state is saved in {cfg.checkpoint.save}" if cfg.checkpoint.save else ""
             raise TrainingAborted(f"{in_a_row} consecutive iterations had a non-finite loss or gradient norm "
                                   f"(last at iteration {self.iteration}){where}")
-        if stop:
-            self._report_stop()
+        if stop and dist.get_rank() == 0:
+            report_stop(self.control.reason, cfg.checkpoint.save, self.iteration, self.trained)
         return loss
-
-    def _report_stop(self) -> None:
-        """The one line a stopped run ends with (rank 0, on stderr): where it stopped, why, what was saved."""
-        if dist.get_rank() != 0:
-            return
-        import sys
-
-        save = self.cfg.checkpoint.save
-        if self.trained:
-            where = (f"saved {checkpoint.iteration_dir(save, self.iteration)}" if save
-                     else "nothing was saved (no --save)")
-            what = f"stopped at iteration {self.iteration}"
-        else:
-            latest = checkpoint.latest_iteration(save) if save else None
-            where = "nothing new to save" + (f"; the latest checkpoint is {checkpoint.iteration_dir(save, latest)}"
-                                             if latest is not None else "")
-            what = f"stopped before iteration {self.iteration + 1}"
-        print(f"angelgpt: {what} ({self.control.reason}): {where}", file=sys.stderr, flush=True)
 
     def _reserve_s(self, iteration_s: float) -> float:
         """Seconds the wall-clock limit must leave at a boundary: one more iteration and a save (the last

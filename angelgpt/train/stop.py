@@ -102,3 +102,21 @@ class RunControl:
 def save_estimate_s(local_params: int) -> float:
     """Seconds a first save is taken to need, before one was measured."""
     return local_params * SAVE_ESTIMATE_BYTES_PER_PARAM / SAVE_ESTIMATE_BYTES_PER_S
+
+
+def report_stop(reason: str, save: Optional[str], iteration: int, trained: bool) -> None:
+    """The one line a stopped run ends with (rank 0 calls it, on stderr): where it stopped, why, what
+    was saved."""
+    import sys
+
+    from angelgpt.train.checkpoint_check import iter_dir, latest_iteration
+
+    if trained:
+        where = f"saved {iter_dir(save, iteration)}" if save else "nothing was saved (no --save)"
+        what = f"stopped at iteration {iteration}"
+    else:
+        latest = latest_iteration(save) if save else None
+        where = "nothing new to save" + (f"; the latest checkpoint is {iter_dir(save, latest)}"
+                                         if latest is not None else "")
+        what = f"stopped before iteration {iteration + 1}"
+    print(f"angelgpt: {what} ({reason}): {where}", file=sys.stderr, flush=True)

@@ -239,7 +239,7 @@ def test_bad_input_one_line_exit_2_nothing_written(megatron_tp2, tmp_path):
     (bad / "a_file").write_text("")
     out = tmp_path / "out" / "hf"
     cases = [
-        (["--load", bad / "missing"], "no such directory"),
+        (["--load", bad / "missing"], "does not exist"),
         (["--load", bad], "holds no checkpoint"),
         (["--load", partial], "is incomplete: it has no manifest.json"),
         (["--load", corrupt], "is corrupted"),

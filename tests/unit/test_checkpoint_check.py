@@ -1,0 +1,39 @@
+"""checkpoint_check.model_mismatch: a checkpoint's config against a run's, the fields that shape parameters
+only (the CLI's refusals are in tests/distributed/test_resume_checks.py)."""
+
+from angelgpt.config import parse, to_dict
+from angelgpt.train.checkpoint_check import model_mismatch
+
+
+def _config(*overrides):
+    return to_dict(parse("tiny", None, list(overrides)))
+
+
+def test_training_settings_and_resharding_layout_are_the_same_model():
+    saved = _config()
+    assert model_mismatch(saved, _config("train.global_batch_size=16", "optim.lr=1e-3", "train.train_iters=9",
+                                         "parallel.tensor_model_parallel_size=2", "optim.optimizer=zero_cache",
+                                         "model.hidden_dropout=0.1")) is None
+
+
+def test_tensor_parallel_size_that_pads_the_vocabulary_otherwise_is_named():
+    saved = _config("model.vocab_size=50257")
+    assert model_mismatch(saved, _config("model.vocab_size=50257", "parallel.tensor_model_parallel_size=2")) == (
+        "padded vocabulary (model.make_vocab_size_divisible_by x parallel.tensor_model_parallel_size): "
+        "checkpoint 50304, config 50432")
+    assert model_mismatch(saved, _config("model.vocab_size=50300")) is None  # the same padded rows
+
+
+def test_first_differing_shape_field_is_named():
+    saved = _config()
+    assert model_mismatch(saved, _config("model.num_query_groups=2")) == "model.num_query_groups: checkpoint 4, config 2"
+    assert model_mismatch(saved, _config("model.hidden_size=128", "model.num_layers=4")) == \
+        "model.num_layers: checkpoint 2, config 4"
+    assert model_mismatch(saved, _config("model.ffn_hidden_size=128")) == \
+        "model.ffn_hidden_size: checkpoint 256, config 128"
+
+
+def test_seq_length_counts_only_with_learned_position_embeddings():
+    rope = _config("model.position_embedding_type=rope")
+    assert model_mismatch(rope, _config("model.position_embedding_type=rope", "model.seq_length=128")) is None
+    assert model_mismatch(_config(), _config("model.seq_length=128")) == "model.seq_length: checkpoint 64, config 128"
