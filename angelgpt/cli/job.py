@@ -84,7 +84,7 @@ def launch(cfg, size, config, extra, on_gpu: bool, gpu_here: bool, target, dp: i
     keep = rdzv.nnodes == 1 or (rdzv.node_rank == 0 and not rdzv.rdzv_endpoint)
     with launch.run_config_file(cfg, machine, cmd, keep) as path:
         env[RUN_CONFIG_ENV] = str(path)
-        rc, why = launch.run(cmd, env, cfg.checkpoint.stop_grace_s)
+        rc, why = launch.run(cmd, env, cfg.checkpoint.stop_grace_s, rdzv.max_restarts)
     if rc == 2:
         raise SystemExit(2)
     if rc != 0:

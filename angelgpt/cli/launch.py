@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shlex
 import signal
 import shutil
@@ -149,7 +150,7 @@ def format_command(cmd: List[str]) -> str:
 ERROR_PREFIX = "angelgpt: error: "
 
 
-def run(cmd: List[str], env: dict, grace_s: float = DEFAULT_GRACE_S) -> Tuple[int, Optional[str]]:
+def run(cmd: List[str], env: dict, grace_s: float = DEFAULT_GRACE_S, max_restarts: int = 0) -> Tuple[int, Optional[str]]:
     """Runs torchrun, passing its stderr through. A worker that refuses its input prints one
     `angelgpt: error:` line and exits 2; torchrun's own failure report after it is dropped and 2
     is returned, so a refusal reads as one line whichever process found it. Returns the exit code and,
@@ -160,7 +161,8 @@ def run(cmd: List[str], env: dict, grace_s: float = DEFAULT_GRACE_S) -> Tuple[in
     at each iteration boundary (angelgpt.train.stop): they save and exit 0, rank 0 saying where in one
     line. The torchrun agent ignores those signals (its own handling would end the workers 30 s after
     one), so a signal to the whole job reaches each worker once, directly, and this launcher once.
-    The same request again within `grace_s` changes nothing; a later one kills the job at once."""
+    The same request again within `grace_s` changes nothing; a later one kills the job at once.
+    With `max_restarts`, each failed worker that torchrun restarts the job after is told in one line."""
     stop_dir = tempfile.mkdtemp(prefix="angelgpt-stop-")
     env = {**env, STOP_FILE_ENV: os.path.join(stop_dir, "stop")}
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, errors="replace",
@@ -169,9 +171,17 @@ def run(cmd: List[str], env: dict, grace_s: float = DEFAULT_GRACE_S) -> Tuple[in
     stop = _StopRequests(proc.pid, env[STOP_FILE_ENV], grace_s)
     previous = {sig: signal.signal(sig, stop.handle) for sig in STOP_SIGNALS}
     refused = killed = False
+    restarts = 0
     try:
         for line in proc.stderr:
             killed = killed or "Signal 9 (SIGKILL)" in line
+            failed = _FAILED_WORKER.search(line)
+            if failed and restarts < max_restarts:
+                restarts += 1
+                code = int(failed.group(1))
+                how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+                sys.stderr.write(f"angelgpt: worker local rank {failed.group(2)} {how}: every worker restarts from "
+                                 f"the latest checkpoint (restart {restarts} of {max_restarts}, --max-restarts)\n")
             if refused:
                 continue
             if line.startswith(ERROR_PREFIX) or "]:" + ERROR_PREFIX in line:
@@ -194,6 +204,10 @@ def run(cmd: List[str], env: dict, grace_s: float = DEFAULT_GRACE_S) -> Tuple[in
            "out): check `angelgpt plan` for this config, lower zero_cache.host_max_gib or the model size") \
         if killed and rc != 0 else None
     return rc, why
+
+
+# torchrun's report of a failed worker (torch.distributed.elastic.multiprocessing.api)
+_FAILED_WORKER = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
 
 
 def _agent_preexec():

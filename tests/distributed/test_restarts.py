@@ -106,6 +106,8 @@ def test_a_worker_killed_mid_run_restarts_from_the_latest_checkpoint_and_ends_li
     assert wait_for(lambda: not left_behind(ck), timeout=10), left_behind(ck)
     assert done.stdout.count(f"resumed from {ck} at iteration") == 1
     assert f"resumed from {ck} at iteration {resumed_at}\n" in done.stdout
+    assert ("angelgpt: worker local rank 1 was killed by SIGKILL: every worker restarts from the latest "
+            "checkpoint (restart 1 of 1, --max-restarts)") in done.stderr
     records = read_metrics(metrics)
     # the restarted attempt's records: every iteration after the checkpoint, each with the uninterrupted loss
     after = [r for r in records[len(records) - (ITERS - resumed_at):]]
