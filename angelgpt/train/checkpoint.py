@@ -203,7 +203,7 @@ class Saver:
                                            metadata=metadata),
                                     str(tmp), sharded_strategy=strategy, content_metadata=metadata)
             job = strategy.job
-            staged = (asynchronous or not self.multi_slice) and self._room_for(
+            staged = (asynchronous or not self.multi_slice) and not self._told and self.room_for(
                 job.staging_bytes() - self.staging.nbytes(), asynchronous)
             if staged:
                 job.stage(self.staging)  # the states as of this iteration: the next step updates them in place
@@ -224,9 +224,10 @@ class Saver:
         if not asynchronous:  # an asynchronous one says so once written (_finalize)
             log.info(f"saved the checkpoint of iteration {iteration} in {final} ({event['stall_s']:.2f} s)")
 
-    def _room_for(self, nbytes: int, asynchronous: bool) -> bool:
+    def room_for(self, nbytes: int, asynchronous: bool) -> bool:
         """Whether this rank's host memory holds a staged copy of nbytes; else the save is written from
-        where the tensors live, synchronously, and the rank says so once."""
+        where the tensors live, synchronously, and the rank says so once (at start, from the planner's
+        figure, or at the first save): every later save of the run is written so too."""
         room = host_memory_available()
         if nbytes <= room:
             return True

@@ -257,6 +257,11 @@ class Trainer:
 
             self.saver = checkpoint.Saver(cfg.checkpoint.save, to_dict(cfg), cfg.checkpoint.keep,
                                           cfg.checkpoint.multi_slice, self.device)
+            if cfg.checkpoint.async_save and not self.rehearsal:  # said at start: the buffer will not fit
+                from angelgpt.planner.systemplan import checkpoint_staging_bytes
+
+                self.saver.room_for(checkpoint_staging_bytes(cfg, world, parallel_state.get_pipeline_model_parallel_rank()),
+                                     asynchronous=True)
         try:
             loss, stop, aborting, in_a_row = self._iterations(it, profiling, flops, tokens_per_iter, world)
             if self.saver:  # the last save is synchronous: nothing is left in flight, but be sure

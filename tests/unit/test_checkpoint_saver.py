@@ -53,3 +53,45 @@ def test_async_save_without_room_for_the_copy_is_written_synchronously(tiny, tmp
     assert checkpoint.latest_iteration(str(tmp_path)) == 2 and checkpoint.verify(tmp_path / "iter_0000002") is None
     events = saver.take_events()
     assert events["async"] == 0 and events["staged_gib"] == 0
+
+
+def test_async_saves_stage_into_one_buffer_kept_from_save_to_save(tiny, tmp_path):
+    """The second save allocates nothing: it stages into the first one's buffer, and what it writes is
+    the second save's state (the loaded checkpoint equals the model at that save)."""
+    from angelgpt.train import checkpoint
+
+    model, optimizer, scheduler = tiny
+    saver = checkpoint.Saver(str(tmp_path), {}, None, True, torch.device("cpu"))
+    saver.save(1, 8, model, optimizer, scheduler, asynchronous=True)
+    buffer = saver.staging.buffer
+    assert buffer is not None and buffer.numel() >= saver.pending[2].staging_bytes()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    expected = {k: v.clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    saver.save(2, 16, model, optimizer, scheduler, asynchronous=True)
+    assert saver.staging.buffer.data_ptr() == buffer.data_ptr()
+    with torch.no_grad():  # the step after the save changes the model in place, not what is written
+        for p in model.parameters():
+            p.add_(1.0)
+    saver.finalize(blocking=True)
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(tmp_path / "iter_0000002"), str(tmp_path / "flat.pt"))
+    written = torch.load(tmp_path / "flat.pt", weights_only=False)
+    compared = [k for k in expected if k in written and k.startswith(("embedding.", "decoder.final_layernorm"))]
+    assert len(compared) >= 3, sorted(written)
+    assert all(torch.equal(written[k], expected[k]) for k in compared)
+
+
+def test_async_save_told_at_start_that_its_buffer_will_not_fit_saves_synchronously(tiny, tmp_path, caplog):
+    from angelgpt.train import checkpoint
+
+    model, optimizer, scheduler = tiny
+    saver = checkpoint.Saver(str(tmp_path), {}, None, True, torch.device("cpu"))
+    with caplog.at_level(logging.WARNING):
+        assert not saver.room_for(1 << 60, asynchronous=True)  # the planner's figure, before any save
+        saver.save(1, 8, model, optimizer, scheduler, asynchronous=True)
+    lines = [r.getMessage() for r in caplog.records if "host-memory copy" in r.getMessage()]
+    assert len(lines) == 1 and "written synchronously" in lines[0], lines
+    assert saver.pending[2].thread is None and saver.staging.buffer is None
