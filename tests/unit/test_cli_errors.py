@@ -24,6 +24,12 @@ CASES = {
     "bad device": (["train", "--size", "tiny", "--device", "gpu"], "--device must be 'cpu' or 'cuda'"),
     "compact moments with megatron": (["train", "--size", "tiny", "optim.exp_avg_dtype=bf16"],
                                       "optim.exp_avg_dtype is honoured by optim.optimizer 'zero_cache' only"),
+    "stop grace not positive": (["train", "--size", "tiny", "checkpoint.stop_grace_s=0"],
+                                "checkpoint.stop_grace_s must be > 0"),
+    "wall-clock limit not positive": (["train", "--size", "tiny", "train.exit_duration_mins=-1"],
+                                      "train.exit_duration_mins must be > 0"),
+    "wall-clock limit not a number": (["train", "--size", "tiny", "train.exit_duration_mins=soon"],
+                                      "train.exit_duration_mins"),
     "missing data": (["train", "--size", "tiny", "--device", "cpu", "data.paths=/nonexistent/ds"],
                      "/nonexistent/ds.bin not found"),
 }
