@@ -208,8 +208,7 @@ def train(
                       gpu_mem, host_mem, machine, rehearse_report or metrics_file, dry_run)
         return
 
-    if launch.nothing_to_train(cfg):  # (a resume's checkpoint is checked first)
-        return
+    resume_at = launch.resume_point(cfg)  # a checkpoint to resume from that will not do is refused first
     from angelgpt.train.lifetime import take_save_lock
 
     # one run per --save DIR, taken before anything is printed: a second run's refusal is one line
@@ -217,6 +216,8 @@ def train(
     # a dry run for --machine plans for that catalogue machine's figures, not this machine's
     target = machine_from(machine, gpus_per_node=nproc_per_node) if machine is not None else None
     try:
+        if launch.nothing_to_train(cfg, resume_at):
+            return
         job.launch(cfg, size, config, extra, on_gpu, gpu_here, target, dp, dry_run, force,
                 launch.Rendezvous(nproc_per_node, nnodes, node_rank, master_addr, master_port, rdzv_endpoint,
                                   max_restarts))

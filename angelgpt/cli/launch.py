@@ -19,7 +19,6 @@ from typing import List, Optional, Tuple
 from angelgpt.train.lifetime import LAUNCHER_PID_ENV, agent_preexec
 from angelgpt.train.stop import DEFAULT_GRACE_S, JOB_START_ENV, STOP_FILE_ENV, STOP_SIGNALS
 
-STARTED = time.time()  # the job's start, from which train.exit_duration_mins counts
 
 
 @dataclass
@@ -39,14 +38,19 @@ def fail(message: str) -> None:
     raise SystemExit(2)
 
 
-def nothing_to_train(cfg) -> bool:
-    """Before launch: refuses (ConfigError) a checkpoint the run would resume from (checkpoint.load, or
-    checkpoint.save holding one) that is missing, unfinished or of another model; True, having said so,
-    when it is at train.train_iters already (nothing to launch: not an error)."""
+def resume_point(cfg) -> Optional[int]:
+    """Before launch: the iteration of the checkpoint the run would resume from (checkpoint.load, or
+    checkpoint.save holding one), None when it starts fresh; refuses (ConfigError) one that is missing,
+    unfinished or of another model."""
     from angelgpt.config import to_dict
     from angelgpt.train.checkpoint_check import check_resume
 
-    at = check_resume(to_dict(cfg))
+    return check_resume(to_dict(cfg))
+
+
+def nothing_to_train(cfg, at: Optional[int]) -> bool:
+    """True, having said so, when the checkpoint resumed from is at train.train_iters already (nothing to
+    launch: not an error)."""
     if at is None or at < cfg.train.train_iters:
         return False
     print(f"angelgpt: nothing to train: the checkpoint is at iteration {at} and train.train_iters is "
@@ -88,7 +92,9 @@ def worker_env(on_gpu: bool, nproc_per_node: int, optimizer: str = "megatron", m
         env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     # the workers end themselves when this launcher is gone (angelgpt.train.lifetime.watch_launcher)
     env[LAUNCHER_PID_ENV] = str(os.getpid())
-    env[JOB_START_ENV] = repr(STARTED)
+    import psutil
+
+    env[JOB_START_ENV] = repr(psutil.Process().create_time())  # train.exit_duration_mins counts from it
     return env
 
 

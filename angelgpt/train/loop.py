@@ -307,6 +307,7 @@ class Trainer:
         last = self.iteration >= cfg.train.train_iters
         stop = aborting = False
         in_a_row = 0
+        self.control.phase = f"iteration {self.iteration + 1}: start"
         if not last and self.control.stop_requested(self.device):  # asked to stop while setting up
             return loss, True, False, 0
         while not last:
