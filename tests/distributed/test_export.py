@@ -236,6 +236,8 @@ def test_bad_input_one_line_exit_2_nothing_written(megatron_tp2, tmp_path):
     rope = _edited(megatron_tp2, bad, "rope", position_embedding_type="rope")
     gqa = _edited(megatron_tp2, bad, "gqa", num_query_groups=2)
     untied = _edited(megatron_tp2, bad, "untied", untie_embeddings_and_output_weights=True)
+    rms = _edited(megatron_tp2, bad, "rms", normalization="RMSNorm")
+    swiglu = _edited(megatron_tp2, bad, "swiglu", swiglu=True)
     (bad / "a_file").write_text("")
     out = tmp_path / "out" / "hf"
     cases = [
@@ -247,6 +249,8 @@ def test_bad_input_one_line_exit_2_nothing_written(megatron_tp2, tmp_path):
         (["--load", rope], "cannot be exported as GPT-2: it uses rope position embeddings"),
         (["--load", gqa], "cannot be exported as GPT-2: it uses grouped-query attention"),
         (["--load", untied], "cannot be exported as GPT-2: its output layer has its own weights"),
+        (["--load", rms], "cannot be exported as GPT-2: it uses RMSNorm"),
+        (["--load", swiglu], "cannot be exported as GPT-2: its MLP is gated"),
         (["--load", megatron_tp2.ck, "--dtype", "fp8"], "--dtype must be one of"),
         (["--load", megatron_tp2.ck, "--max-shard-size", "lots"], "--max-shard-size must be a size"),
         (["--load", megatron_tp2.ck, "--tokenizer", bad / "no_tok"], "--tokenizer"),
