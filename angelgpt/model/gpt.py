@@ -167,14 +167,16 @@ def build_gpt(cfg: Config, on_gpu: bool, perform_initialization: bool = True, de
 
     Every TP and PP layout, and a deferred build as an ordinary one, starts from the same weights (on
     the CPU and, drawn by the GPU's generator, on a GPU; with the local spec): each TP shard is cut from
-    full weights drawn on one RNG stream, each layer's stream is seeded by its global number, and the
-    last stage's copy of tied embeddings is the first stage's (Megatron's all-reduce, its `.cuda()` kept
+    full weights drawn on one RNG stream, each layer's stream is seeded by its global number, an untied
+    output layer's by num_layers + 1, and the last stage's copy of tied embeddings is the first stage's (Megatron's all-reduce, its `.cuda()` kept
     on the CPU); the RNG is then reseeded alike on every rank."""
     from angelgpt.parallel.cpu_schedules import on_cpu
 
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else None
     with device if on_gpu else on_cpu():  # on a GPU the full weights are drawn there
         model = _gpt_model(cfg, on_gpu, perform_initialization, defer_layers)
+        if perform_initialization:
+            _seed_output_layer(model, cfg)
     if not on_gpu:
         _rope_on_cpu(model)
     torch.manual_seed(cfg.train.seed + 1)
@@ -209,6 +211,23 @@ def _rope_on_cpu(model: GPTModel) -> None:
     rotary = getattr(model, "rotary_pos_emb", None)
     if type(rotary) is RotaryEmbedding:
         rotary.__class__ = CPURotaryEmbedding
+
+
+def _seed_output_layer(model: GPTModel, cfg: Config) -> None:
+    """An untied output layer's weight drawn from its own seed (seed, num_layers + 1) as the full
+    [padded vocabulary, hidden] weight, with Megatron's init_method, this TP rank's rows kept: the same
+    at every TP and PP size, and whether the layers before it drew their weights (an ordinary build) or
+    not (deferred layers, built on the meta device). A tied output layer is the input embedding's."""
+    if not model.post_process or model.share_embeddings_and_output_weights:
+        return
+    weight = model.output_layer.weight
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    torch.manual_seed(cfg.train.seed * 1_000_003 + cfg.model.num_layers + 1)
+    full = torch.empty(weight.shape[0] * tp, weight.shape[1], dtype=torch.float32)
+    model.config.init_method(full)
+    with torch.no_grad():
+        weight.copy_(full.chunk(tp)[rank])
 
 
 def _gpt_model(cfg: Config, on_gpu: bool, perform_initialization: bool, defer_layers: bool = False) -> GPTModel:
