@@ -1,7 +1,7 @@
 """The llama-tiny preset (RMSNorm, SwiGLU, RoPE, no biases, untied output, 4 query heads sharing 2 key/value
 heads) trains on CPU in real torchrun workers under gloo: TP 2 with sequence parallelism and PP 2 train as
 one rank does (the same initial model whatever the layout, every logged loss within 1e-5), and ZeRO-Cache
-starts from the same model and trains it."""
+starts from the same model, trains it and resumes it from a checkpoint."""
 
 import math
 
@@ -45,8 +45,16 @@ def test_llama_tiny_layout_trains_as_one_rank(tmp_path, single_rank, layout):
         assert math.isclose(a, b, rel_tol=1e-5), (step, a, b)
 
 
-def test_llama_tiny_trains_with_zero_cache(tmp_path, single_rank):
-    losses = train_llama(tmp_path, "zero_cache", "optim.optimizer=zero_cache",
-                         "zero_cache.prefetch_cache_sub_group_rate=0.5")
-    assert math.isclose(losses[0], single_rank[0], rel_tol=1e-5)  # the same initial model
+def test_llama_tiny_trains_and_resumes_with_zero_cache(tmp_path, single_rank):
+    """From the same initial model as Megatron's optimizer; stopped at 10 and resumed from its checkpoint
+    (SwiGLU's linear_fc1 is saved as its gate and up halves), the run goes on as the uninterrupted one."""
+    zero_cache = ("optim.optimizer=zero_cache", "zero_cache.prefetch_cache_sub_group_rate=0.5")
+    losses = train_llama(tmp_path, "zero_cache", *zero_cache)
+    assert math.isclose(losses[0], single_rank[0], rel_tol=1e-5)
     assert losses[-1] < 0.8 * losses[0]
+    ckpt = tmp_path / "ckpt"
+    assert len(train_llama(tmp_path, "first", *zero_cache, "train.exit_interval=10", f"checkpoint.save={ckpt}")) == 10
+    resumed = train_llama(tmp_path, "resumed", *zero_cache, f"checkpoint.load={ckpt}")
+    assert len(resumed) == STEPS - 10
+    for step, (a, b) in enumerate(zip(losses[10:], resumed), 11):
+        assert math.isclose(a, b, rel_tol=1e-6), (step, a, b)
