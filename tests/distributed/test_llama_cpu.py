@@ -6,6 +6,7 @@ starts from the same model, trains it and resumes it from a checkpoint."""
 import math
 
 import pytest
+from torch.distributed.checkpoint import FileSystemReader
 
 from tests.helpers import read_metrics, run_cli
 
@@ -56,5 +57,10 @@ def test_llama_tiny_trains_and_resumes_with_zero_cache(tmp_path, single_rank):
     assert len(train_llama(tmp_path, "first", *zero_cache, "train.exit_interval=10", f"checkpoint.save={ckpt}")) == 10
     resumed = train_llama(tmp_path, "resumed", *zero_cache, f"checkpoint.load={ckpt}")
     assert len(resumed) == STEPS - 10
+    # one key a layer (ZeRO-Cache keeps layers in different tiers), SwiGLU's halves too
+    keys = FileSystemReader(str(ckpt / "iter_0000010")).read_metadata().state_dict_metadata
+    fc1 = sorted(k for k in keys if k.endswith(("linear_fc1.weight.layer0", "linear_fc1.weight.layer1")))
+    assert fc1 == sorted(f"{prefix}decoder.layers.mlp.linear_fc1.weight.layer{i}" for i in (0, 1)
+                         for prefix in ("", *(f"optimizer.zero_cache.{n}." for n in ("master", "exp_avg", "exp_avg_sq")))), fc1
     for step, (a, b) in enumerate(zip(losses[10:], resumed), 11):
         assert math.isclose(a, b, rel_tol=1e-6), (step, a, b)
