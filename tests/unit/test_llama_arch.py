@@ -135,3 +135,33 @@ def test_the_h200_llama_preset_is_the_8b_layer_and_fits_one_h200_by_the_planner(
     assert replace(cfg.model, **shape) == cfg.model
     assert auto_plan(cfg, MACHINES["h200"]).fits
     assert not auto_plan(parse("h200-llama-29b", overrides=["model.num_layers=140"]), MACHINES["h200"]).fits
+
+
+def test_the_planner_counts_what_swiglu_s_mlp_saves_for_backward(megatron_single_rank):
+    """What autograd keeps of one MLP forward (distinct storages, weights aside), SwiGLU against GELU at
+    the same width: linear_fc1's 2*ffn output, the up half plus megatron-core's glu_linear_offset,
+    silu(gate) and the product beside GELU's two ffn-wide tensors, 3*ffn elements a token more, as the
+    planner's activation_bytes counts them (in bf16, 2 bytes each)."""
+    from angelgpt.planner.plan import activation_bytes
+
+    def saved_elements(cfg, model):
+        storages = {}
+        weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in weights:
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes() // t.element_size()
+            return t
+
+        x = torch.randn(cfg.model.seq_length, cfg.train.micro_batch_size, cfg.model.hidden_size, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model.decoder.layers[0].mlp(x)
+        return sum(storages.values())
+
+    gelu, swiglu = (build("tiny", "model.ffn_hidden_size=128", f"model.swiglu={on}") for on in ("false", "true"))
+    measured = saved_elements(*swiglu) - saved_elements(*gelu)
+    cfg = gelu[0]
+    s, b, f = cfg.model.seq_length, cfg.train.micro_batch_size, cfg.model.ffn_hidden_size
+    assert measured == 3 * f * s * b
+    planned = activation_bytes(swiglu[0], False) - activation_bytes(gelu[0], False)
+    assert planned == cfg.model.num_layers * 2 * measured
