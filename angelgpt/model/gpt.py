@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -168,8 +169,9 @@ def build_gpt(cfg: Config, on_gpu: bool, perform_initialization: bool = True, de
     Every TP and PP layout, and a deferred build as an ordinary one, starts from the same weights (on
     the CPU and, drawn by the GPU's generator, on a GPU; with the local spec): each TP shard is cut from
     full weights drawn on one RNG stream, each layer's stream is seeded by its global number, an untied
-    output layer's by num_layers + 1, and the last stage's copy of tied embeddings is the first stage's (Megatron's all-reduce, its `.cuda()` kept
-    on the CPU); the RNG is then reseeded alike on every rank."""
+    output layer's by num_layers + 1, and the last stage's copy of tied embeddings is the first stage's
+    (Megatron's all-reduce, its `.cuda()` kept on the CPU); the RNG is then reseeded alike on every
+    rank."""
     from angelgpt.parallel.cpu_schedules import on_cpu
 
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else None
@@ -185,29 +187,30 @@ def build_gpt(cfg: Config, on_gpu: bool, perform_initialization: bool = True, de
     return model
 
 
-def _rope_on_cpu(model: GPTModel) -> None:
-    """Megatron's RotaryEmbedding keeps its inverse frequencies (a plain fp32 attribute, not a buffer)
-    on the CPU when the config says use_cpu_initialization, and moves them to
-    torch.cuda.current_device() on its first forward. In a model built for the CPU that move runs under
-    angelgpt.parallel.cpu_schedules.on_cpu(), which keeps them where they are; moving the model
+class CPURotaryEmbedding(RotaryEmbedding):
+    """Megatron's RotaryEmbedding in a model built for the CPU. Megatron keeps the inverse frequencies (a
+    plain fp32 attribute, not a buffer) on the CPU when the config says use_cpu_initialization and moves
+    them to torch.cuda.current_device() on the first forward; here that move runs under
+    angelgpt.parallel.cpu_schedules.on_cpu(), which keeps them where they are, and moving the model
     (``model.to(device)``, as generate and eval do to run on a GPU) moves them with it, in fp32 whatever
-    dtype the model is cast to. Everything else about the embedding (its frequencies, rotary_percent,
-    the cache of its outputs) is Megatron's."""
-    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    dtype the model is cast to. Everything else (the frequencies, rotary_percent, the cache of the
+    embedding's outputs) is Megatron's."""
 
-    from angelgpt.parallel.cpu_schedules import on_cpu
+    def get_emb(self, max_seq_len: int, offset: int = 0):
+        if self.inv_freq.device.type != "cpu":
+            return super().get_emb(max_seq_len, offset)
+        from angelgpt.parallel.cpu_schedules import on_cpu
 
-    class CPURotaryEmbedding(RotaryEmbedding):
-        def get_emb(self, max_seq_len: int, offset: int = 0):
-            if self.inv_freq.device.type != "cpu":
-                return super().get_emb(max_seq_len, offset)
-            with on_cpu():
-                return super().get_emb(max_seq_len, offset)
+        with on_cpu():
+            return super().get_emb(max_seq_len, offset)
 
-        def _apply(self, fn, recurse=True):
-            self.inv_freq = self.inv_freq.to(fn(self.inv_freq).device)
-            return super()._apply(fn, recurse)
+    def _apply(self, fn, recurse=True):
+        self.inv_freq = self.inv_freq.to(fn(self.inv_freq).device)
+        return super()._apply(fn, recurse)
 
+
+def _rope_on_cpu(model: GPTModel) -> None:
+    """The model's RotaryEmbedding (RoPE) made a CPURotaryEmbedding (the same object, its class swapped)."""
     rotary = getattr(model, "rotary_pos_emb", None)
     if type(rotary) is RotaryEmbedding:
         rotary.__class__ = CPURotaryEmbedding
