@@ -140,6 +140,10 @@ def unsupported(cfg: Config):
         return f"model.position_embedding_type '{m.position_embedding_type}' (this model has learned positions)"
     if m.num_query_groups not in (None, m.num_attention_heads):
         return "model.num_query_groups below the number of heads (this model has multi-head attention)"
+    if m.normalization != "LayerNorm" or m.norm_epsilon != 1e-5:
+        return f"model.normalization '{m.normalization}', eps {m.norm_epsilon} (this model has LayerNorm, eps 1e-5)"
+    if m.swiglu or not m.add_bias_linear:
+        return "model.swiglu or no linear biases (this model has a GELU MLP and biased linears)"
     if m.hidden_dropout or m.attention_dropout:
         return "dropout (this model has none)"
     if cfg.parallel.tensor_model_parallel_size * cfg.parallel.pipeline_model_parallel_size != 1:

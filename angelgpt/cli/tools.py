@@ -28,11 +28,12 @@ def presets_list() -> None:
     """One line per preset: name, layers x hidden, heads, parameters."""
     from angelgpt.model.flops import format_params, num_params
 
-    print(f"{'preset':<10} {'layers':>6} {'hidden':>6} {'heads':>5} {'seq':>5} {'params':>9}  optimizer")
+    width = max(10, *(len(name) for name in preset_names()))
+    print(f"{'preset':<{width}} {'layers':>6} {'hidden':>6} {'heads':>5} {'seq':>5} {'params':>9}  optimizer")
     for name in preset_names():
         cfg = parse(name)
         m = cfg.model
-        print(f"{name:<10} {m.num_layers:>6} {m.hidden_size:>6} {m.num_attention_heads:>5} {m.seq_length:>5} "
+        print(f"{name:<{width}} {m.num_layers:>6} {m.hidden_size:>6} {m.num_attention_heads:>5} {m.seq_length:>5} "
               f"{format_params(num_params(cfg)):>9}  {cfg.optim.optimizer}")
 
 

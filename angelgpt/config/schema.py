@@ -81,7 +81,20 @@ class ModelConfig:
     kv_channels: Optional[int] = None
     """Attention head size; None means hidden_size / num_attention_heads (must divide)."""
     ffn_hidden_size: Optional[int] = None
-    """MLP hidden size; None means 4 * hidden_size."""
+    """MLP hidden size (with swiglu the width of the gate, and of the product it gates); None means
+    4 * hidden_size, or with swiglu Megatron's default for it, 8/3 * hidden_size rounded down to a
+    multiple of 64."""
+    swiglu: bool = False
+    """Gated SiLU MLP (Megatron's gated_linear_unit with activation_func silu): linear_fc1 makes
+    2 * ffn_hidden_size outputs, silu(gate) * up, and linear_fc2 takes ffn_hidden_size back to
+    hidden_size. False: GELU MLP (GPT-2)."""
+    normalization: str = "LayerNorm"
+    """'LayerNorm' (weight and bias, GPT-2) or 'RMSNorm' (weight only, Llama): the layers' two norms and
+    the final one."""
+    norm_epsilon: float = 1e-5
+    """Epsilon of every norm (Megatron's layernorm_epsilon)."""
+    add_bias_linear: bool = True
+    """Biases in the attention's and the MLP's linear layers (GPT-2); False: none (Llama)."""
     seq_length: int = 128
     """Training sequence length in tokens."""
     vocab_size: int = 50257
@@ -89,7 +102,13 @@ class ModelConfig:
     make_vocab_size_divisible_by: int = 128
     """Pad the vocabulary to a multiple of this times the tensor-parallel size, as Megatron does."""
     position_embedding_type: str = "learned_absolute"
-    """'learned_absolute' (GPT-2 style, runs everywhere) or 'rope' (Megatron's RoPE needs CUDA)."""
+    """'learned_absolute' (GPT-2: a learned embedding per position) or 'rope' (rotary embeddings of
+    queries and keys, Megatron's RotaryEmbedding; no parameters)."""
+    rotary_base: int = 10000
+    """RoPE's base period (Llama 3: 500000). Used only with position_embedding_type 'rope'."""
+    rotary_percent: float = 1.0
+    """Fraction of each head's channels that RoPE rotates, in (0, 1]; kv_channels * rotary_percent
+    (rounded down) must be even. Used only with position_embedding_type 'rope'."""
     untie_embeddings_and_output_weights: bool = False
     """Give the output layer its own weights instead of sharing the input embedding."""
     hidden_dropout: float = 0.0
@@ -131,8 +150,8 @@ class ModelConfig:
                      f"({self.hidden_size}) when model.kv_channels is not given")
             self.kv_channels = self.hidden_size // self.num_attention_heads
         _positive("model", kv_channels=self.kv_channels)
-        if self.ffn_hidden_size is None:
-            self.ffn_hidden_size = 4 * self.hidden_size
+        if self.ffn_hidden_size is None:  # Megatron-LM's defaults
+            self.ffn_hidden_size = int(8 * self.hidden_size / 3 / 64) * 64 if self.swiglu else 4 * self.hidden_size
         _positive("model", ffn_hidden_size=self.ffn_hidden_size)
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
@@ -142,6 +161,15 @@ class ModelConfig:
         _require(self.position_embedding_type in ("learned_absolute", "rope"),
                  f"model.position_embedding_type must be 'learned_absolute' or 'rope', got "
                  f"'{self.position_embedding_type}'")
+        _require(self.normalization in ("LayerNorm", "RMSNorm"),
+                 f"model.normalization must be 'LayerNorm' or 'RMSNorm', got '{self.normalization}'")
+        _positive("model", norm_epsilon=self.norm_epsilon, rotary_base=self.rotary_base)
+        _require(0.0 < self.rotary_percent <= 1.0,
+                 f"model.rotary_percent must be in (0, 1], got {self.rotary_percent}")
+        rotary_dim = int(self.kv_channels * self.rotary_percent)
+        _require(rotary_dim > 0 and rotary_dim % 2 == 0,
+                 f"model.rotary_percent ({self.rotary_percent}) of model.kv_channels ({self.kv_channels}) "
+                 f"must leave an even number of rotated channels > 0, got {rotary_dim}")
         _require(self.recompute in ("none", "full", "auto"),
                  f"model.recompute must be 'none', 'full' or 'auto', got '{self.recompute}'")
         if self.recompute_num_layers is not None:
@@ -599,9 +627,6 @@ class Config:
             _require(self.model.recompute != "full",
                      "model.recompute 'full' needs CUDA (Megatron's activation checkpointing saves the CUDA RNG "
                      "state); use 'none' on CPU")
-            _require(self.model.position_embedding_type != "rope",
-                     "model.position_embedding_type 'rope' needs CUDA (Megatron's RoPE allocates on CUDA); "
-                     "use 'learned_absolute' on CPU")
 
     def padded_vocab_size(self) -> int:
         multiple = self.model.make_vocab_size_divisible_by * self.parallel.tensor_model_parallel_size

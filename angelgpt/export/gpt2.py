@@ -19,7 +19,8 @@ angelgpt's default architecture is GPT-2's: learned absolute positions, pre-Laye
   (``model.vocab_size``), the rows past it dropped (logits on real ids are unchanged).
 
 What GPT-2 cannot express is refused with a ConfigError naming why: RoPE, untied output weights,
-grouped-query attention, a head size other than hidden / heads, missing biases.
+grouped-query attention, a head size other than hidden / heads, RMSNorm, a norm epsilon other than
+1e-5, a gated (SwiGLU) MLP, missing biases.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch
 
 from angelgpt.config import ConfigError
 
-LN_EPS = 1e-5  # Megatron's TransformerConfig.layernorm_epsilon, which angelgpt leaves at its default
+LN_EPS = 1e-5  # GPT-2's layer_norm_epsilon: model.norm_epsilon's default, the only value exported
 
 QKV = "decoder.layers.self_attention.linear_qkv"
 PROJ = "decoder.layers.self_attention.linear_proj"
@@ -53,6 +54,12 @@ def check_gpt2(reader) -> None:
     elif m["kv_channels"] * m["num_attention_heads"] != m["hidden_size"]:
         why = (f"its head size {m['kv_channels']} x {m['num_attention_heads']} heads is not its hidden size "
                f"{m['hidden_size']} (GPT-2's heads split the hidden size)")
+    elif m.get("normalization", "LayerNorm") != "LayerNorm":
+        why = f"it uses {m['normalization']} (GPT-2's norms are LayerNorm)"
+    elif m.get("norm_epsilon", LN_EPS) != LN_EPS:
+        why = f"its norms' epsilon is {m['norm_epsilon']} (GPT-2 exports 1e-5 here)"
+    elif m.get("swiglu"):
+        why = "its MLP is gated (SwiGLU; GPT-2's is GELU)"
     elif reader.num_layers() != m["num_layers"]:
         why = f"it stores {reader.num_layers()} layers where its config says {m['num_layers']}"
     elif reader.has("output_layer.weight"):

@@ -84,9 +84,11 @@ def single_process():
 
 
 def _sharded_tensors(tree):
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
-    if isinstance(tree, dict):
+    if isinstance(tree, ShardedTensorFactory):  # SwiGLU's linear_fc1: its gate and up halves, each a region
+        yield from _sharded_tensors(tree.build())
+    elif isinstance(tree, dict):
         for v in tree.values():
             yield from _sharded_tensors(v)
     elif isinstance(tree, (list, tuple)):
@@ -112,11 +114,14 @@ def load_weights(model, reader) -> int:
             raise ConfigError(f"checkpoint {reader.path} has no {sh.key}{where}: it was not written for this "
                               f"model's architecture")
         stored = reader.shape(sh.key, layer)
-        if tuple(stored) != tuple(sh.data.shape):
+        if tuple(stored) != tuple(sh.global_shape[n:]):
             raise ConfigError(f"checkpoint {reader.path}: {sh.key} is {tuple(stored)}, the model's is "
-                              f"{tuple(sh.data.shape)}")
+                              f"{tuple(sh.global_shape[n:])}")
+        # the model's tensor is the stored one whole, or (SwiGLU's gate or up half) a region of it
+        region = torch.empty(sh.data.shape, dtype=reader.dtype(sh.key, layer))
+        reader.read_into(sh.key, region, layer, tuple(sh.global_offset[n:]))
         with torch.no_grad():
-            sh.data.copy_(reader.read(sh.key, layer))
+            sh.data.copy_(region)
         loaded += 1
     return loaded
 

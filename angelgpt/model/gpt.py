@@ -9,7 +9,9 @@ have not run).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from megatron.core import parallel_state
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -46,6 +48,11 @@ def transformer_config(cfg: Config, on_gpu: bool, perform_initialization: bool =
         num_query_groups=m.num_query_groups,
         kv_channels=m.kv_channels,
         ffn_hidden_size=m.ffn_hidden_size,
+        gated_linear_unit=m.swiglu,
+        activation_func=F.silu if m.swiglu else F.gelu,
+        normalization=m.normalization,
+        layernorm_epsilon=m.norm_epsilon,
+        add_bias_linear=m.add_bias_linear,
         hidden_dropout=m.hidden_dropout,
         attention_dropout=m.attention_dropout,
         init_method_std=m.init_method_std,
@@ -98,28 +105,35 @@ def sequence_parallel(cfg: Config) -> bool:
     return cfg.parallel.sequence_parallel and cfg.parallel.tensor_model_parallel_size > 1
 
 
-def _sequence_parallel_block(cfg: Config, on_gpu: bool, layer: ModuleSpec) -> ModuleSpec:
-    """The local layer spec inside a block spec whose norms run on the local slice of the sequence, the
-    layers' two and the final one: angelgpt's SequenceParallelNorm (Megatron's local norm refuses
-    sequence_parallel, and TransformerBlock builds its final norm from Megatron's own choice unless a
-    block spec names one). On CPU the embedding's dropout under sequence parallelism forks Megatron's
-    CUDA RNG tracker: there it is a tracker whose fork changes nothing (the dropout draws from the CPU
-    generator, as every other dropout on CPU does)."""
-    from megatron.core import tensor_parallel
+def _block_spec(cfg: Config, on_gpu: bool, layer: ModuleSpec, norm) -> ModuleSpec:
+    """The local layer spec inside a block spec whose norms, the layers' two and the final one, are
+    `norm` (TransformerBlock builds its final norm from Megatron's own choice unless a block spec names
+    one, and that choice, apex's FusedLayerNorm where apex is installed, has no RMSNorm)."""
     from megatron.core.transformer.transformer_block import (
         TransformerBlock,
         TransformerBlockSubmodules,
         get_num_layers_to_build,
     )
 
-    from angelgpt.model.norm import SequenceParallelNorm
-
-    layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = SequenceParallelNorm
-    if not on_gpu:
-        tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = norm
     layers = get_num_layers_to_build(transformer_config(cfg, on_gpu))
     return ModuleSpec(module=TransformerBlock, submodules=TransformerBlockSubmodules(
-        layer_specs=[layer] * layers, layer_norm=SequenceParallelNorm))
+        layer_specs=[layer] * layers, layer_norm=norm))
+
+
+def _sequence_parallel_block(cfg: Config, on_gpu: bool, layer: ModuleSpec) -> ModuleSpec:
+    """The local layer spec inside a block spec whose norms run on the local slice of the sequence:
+    angelgpt's SequenceParallelNorm (Megatron's local norm refuses sequence_parallel). On CPU the
+    embedding's dropout under sequence parallelism forks Megatron's CUDA RNG tracker: there it is a
+    tracker whose fork changes nothing (the dropout draws from the CPU generator, as every other dropout
+    on CPU does)."""
+    from megatron.core import tensor_parallel
+
+    from angelgpt.model.norm import SequenceParallelNorm
+
+    if not on_gpu:
+        tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    return _block_spec(cfg, on_gpu, layer, SequenceParallelNorm)
 
 
 def layer_spec(cfg: Config, on_gpu: bool, defer_layers: bool = False) -> ModuleSpec:
@@ -129,7 +143,7 @@ def layer_spec(cfg: Config, on_gpu: bool, defer_layers: bool = False) -> ModuleS
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
     from angelgpt.model.attention import SDPAttention
 
-    spec = gpt_layer_specs.get_gpt_layer_local_spec()
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization=cfg.model.normalization)
     spec.submodules.self_attention.submodules.core_attention = SDPAttention
     spec.module = _seeded_layer(cfg.train.seed)
     if defer_layers:
@@ -138,6 +152,10 @@ def layer_spec(cfg: Config, on_gpu: bool, defer_layers: bool = False) -> ModuleS
         spec.module = deferred_layer(spec.module)
     if sequence_parallel(cfg):
         spec = _sequence_parallel_block(cfg, on_gpu, spec)
+    elif cfg.model.normalization == "RMSNorm":
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+        spec = _block_spec(cfg, on_gpu, spec, WrappedTorchNorm)
     return spec
 
 
@@ -150,18 +168,69 @@ def build_gpt(cfg: Config, on_gpu: bool, perform_initialization: bool = True, de
 
     Every TP and PP layout, and a deferred build as an ordinary one, starts from the same weights (on
     the CPU and, drawn by the GPU's generator, on a GPU; with the local spec): each TP shard is cut from
-    full weights drawn on one RNG stream, each layer's stream is seeded by its global number, and the
-    last stage's copy of tied embeddings is the first stage's (Megatron's all-reduce, its `.cuda()` kept
-    on the CPU); the RNG is then reseeded alike on every rank."""
+    full weights drawn on one RNG stream, each layer's stream is seeded by its global number, an untied
+    output layer's by num_layers + 1, and the last stage's copy of tied embeddings is the first stage's
+    (Megatron's all-reduce, its `.cuda()` kept on the CPU); the RNG is then reseeded alike on every
+    rank."""
     from angelgpt.parallel.cpu_schedules import on_cpu
 
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else None
     with device if on_gpu else on_cpu():  # on a GPU the full weights are drawn there
         model = _gpt_model(cfg, on_gpu, perform_initialization, defer_layers)
+        if perform_initialization:
+            _seed_output_layer(model, cfg)
+    if not on_gpu:
+        _rope_on_cpu(model)
     torch.manual_seed(cfg.train.seed + 1)
     if on_gpu:
         model._apply(lambda t: t if t.is_meta else t.to(device))  # deferred layers stay on 'meta'
     return model
+
+
+class CPURotaryEmbedding(RotaryEmbedding):
+    """Megatron's RotaryEmbedding in a model built for the CPU. Megatron keeps the inverse frequencies (a
+    plain fp32 attribute, not a buffer) on the CPU when the config says use_cpu_initialization and moves
+    them to torch.cuda.current_device() on the first forward; here that move runs under
+    angelgpt.parallel.cpu_schedules.on_cpu(), which keeps them where they are, and moving the model
+    (``model.to(device)``, as generate and eval do to run on a GPU) moves them with it, in fp32 whatever
+    dtype the model is cast to. Everything else (the frequencies, rotary_percent, the cache of the
+    embedding's outputs) is Megatron's."""
+
+    def get_emb(self, max_seq_len: int, offset: int = 0):
+        if self.inv_freq.device.type != "cpu":
+            return super().get_emb(max_seq_len, offset)
+        from angelgpt.parallel.cpu_schedules import on_cpu
+
+        with on_cpu():
+            return super().get_emb(max_seq_len, offset)
+
+    def _apply(self, fn, recurse=True):
+        self.inv_freq = self.inv_freq.to(fn(self.inv_freq).device)
+        return super()._apply(fn, recurse)
+
+
+def _rope_on_cpu(model: GPTModel) -> None:
+    """The model's RotaryEmbedding (RoPE) made a CPURotaryEmbedding (the same object, its class swapped)."""
+    rotary = getattr(model, "rotary_pos_emb", None)
+    if type(rotary) is RotaryEmbedding:
+        rotary.__class__ = CPURotaryEmbedding
+
+
+def _seed_output_layer(model: GPTModel, cfg: Config) -> None:
+    """An untied output layer's weight drawn from its own seed (seed, num_layers + 1) as the full
+    [padded vocabulary, hidden] weight, with Megatron's init_method, this TP rank's rows kept: the same
+    at every TP and PP size, and whether the layers before it drew their weights (an ordinary build) or
+    not (deferred layers, built on the meta device). A tied output layer is the input embedding's."""
+    if not model.post_process or model.share_embeddings_and_output_weights:
+        return
+    weight = model.output_layer.weight
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    torch.manual_seed(cfg.train.seed * 1_000_003 + cfg.model.num_layers + 1)
+    full = torch.empty(weight.shape[0] * tp, weight.shape[1], dtype=torch.float32)
+    model.config.init_method(full)
+    with torch.no_grad():
+        weight.copy_(full.chunk(tp)[rank])
 
 
 def _gpt_model(cfg: Config, on_gpu: bool, perform_initialization: bool, defer_layers: bool = False) -> GPTModel:
@@ -176,4 +245,6 @@ def _gpt_model(cfg: Config, on_gpu: bool, perform_initialization: bool, defer_la
         post_process=parallel_state.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=not cfg.model.untie_embeddings_and_output_weights,
         position_embedding_type=cfg.model.position_embedding_type,
+        rotary_percent=cfg.model.rotary_percent,
+        rotary_base=cfg.model.rotary_base,
     )

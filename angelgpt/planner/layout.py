@@ -1,7 +1,8 @@
 """Parameters of one tensor/pipeline-parallel rank of angelgpt's GPT, in Megatron's order, from the
 config alone (no torch): the names, sizes, weight-decay class and ZeRO-Cache sub-group of each.
 
-Shapes follow Megatron's GPTModel with the local spec (biased linears, LayerNorm with bias): column-
+Shapes follow Megatron's GPTModel with the local spec and the model section's options (linears' biases
+with add_bias_linear, norms' biases with LayerNorm, FC1 twice ffn_hidden_size wide with swiglu): column-
 parallel weights and biases (QKV, FC1, vocabulary) split over TP, row-parallel weights split and
 their biases whole, norms whole; layers split evenly over PP; the position embedding on the first
 stage, the output layer on the last (its own weight when untied or when PP > 1).
@@ -24,7 +25,7 @@ class Param(NamedTuple):
 def rank_params(cfg: Config, pp_rank: int = 0) -> List[Param]:
     m = cfg.model
     tp, pp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
-    h, f = m.hidden_size, m.ffn_hidden_size
+    h, f, fc1 = m.hidden_size, m.ffn_hidden_size, m.ffn_hidden_size * (2 if m.swiglu else 1)
     q, kv = m.num_attention_heads * m.kv_channels, m.num_query_groups * m.kv_channels
     vocab = cfg.padded_vocab_size()
     first, last = pp_rank == 0, pp_rank == pp - 1
@@ -47,8 +48,8 @@ def rank_params(cfg: Config, pp_rank: int = 0) -> List[Param]:
             Param(p + "self_attention.linear_qkv.bias", (q + 2 * kv) // tp, False, g),
             Param(p + "pre_mlp_layernorm.weight", h, False, g),
             Param(p + "pre_mlp_layernorm.bias", h, False, g),
-            Param(p + "mlp.linear_fc1.weight", f // tp * h, True, g),
-            Param(p + "mlp.linear_fc1.bias", f // tp, False, g),
+            Param(p + "mlp.linear_fc1.weight", fc1 // tp * h, True, g),
+            Param(p + "mlp.linear_fc1.bias", fc1 // tp, False, g),
             Param(p + "mlp.linear_fc2.weight", h * f // tp, True, g),
             Param(p + "mlp.linear_fc2.bias", h, False, g),
         ]
@@ -58,7 +59,15 @@ def rank_params(cfg: Config, pp_rank: int = 0) -> List[Param]:
                 Param("decoder.final_layernorm.bias", h, False, g)]
         if m.untie_embeddings_and_output_weights or pp > 1:
             out.append(Param("output_layer.weight", vocab // tp * h, True, g))
-    return out
+    return [p for p in out if _built(cfg, p.name)]
+
+
+def _built(cfg: Config, name: str) -> bool:
+    """Whether the model has this parameter: norms' biases only with LayerNorm, linears' only with
+    add_bias_linear."""
+    if not name.endswith(".bias"):
+        return True
+    return cfg.model.normalization == "LayerNorm" if "layernorm" in name else cfg.model.add_bias_linear
 
 
 def chunk_numels(params: List[Param], dp_size: int, dp_rank: int) -> List[Tuple[int, int]]:

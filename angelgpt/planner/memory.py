@@ -42,9 +42,14 @@ def activation_bytes(cfg: Config, recompute: Optional[bool] = None, offload: Opt
     # tensors: 34*sbh at tp 1 with ffn 4h (measured on the H200 without recompute: 33.5*sbh a layer, 7
     # layers of the 55 shape from micro batch 1 to 2: peers-zero_cache-L7-mb1-gb32-recomputenone.json,
     # peers-zero_cache-L7-mb2-gb32-recomputenone.json); 10*sbh + 24*sbh/tp, or 34*sbh/tp with sequence
-    # parallelism (Korthikanti et al. 2022)
+    # parallelism (Korthikanti et al. 2022). With grouped-query attention K and V are num_query_groups
+    # heads wide (Q, K, V and output: 2*(2q + 2kv) bytes a token); SwiGLU keeps five ffn-wide tensors
+    # where GELU keeps two: linear_fc1's 2*ffn output, megatron-core's up half plus glu_linear_offset (a
+    # new tensor), silu(gate) and the product linear_fc2 takes (tests/unit/test_llama_arch.py measures it)
     sp = tp if cfg.parallel.sequence_parallel else 1
-    full_layer = s * b * h * (10 * tp // sp + 8) // tp + s * b * m.ffn_hidden_size * 4 // tp
+    q, kv = m.num_attention_heads * m.kv_channels, m.num_query_groups * m.kv_channels
+    ffn_tensors = 5 if m.swiglu else 2
+    full_layer = s * b * (10 * h * tp // sp + 4 * q + 4 * kv) // tp + s * b * m.ffn_hidden_size * 2 * ffn_tensors // tp
     recomputed = recomputed_layers(cfg) // cfg.parallel.pipeline_model_parallel_size if recompute is None \
         else (layers if recompute else 0)
     # the first `recomputed` layers keep their inputs; the rest keep everything, and are done with in

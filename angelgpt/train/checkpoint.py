@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
-from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 
 from angelgpt import parallel
 from angelgpt.config import ConfigError
@@ -77,7 +77,11 @@ def per_layer_keys(sharded):
     """The same sharded state with one key per layer: Megatron stacks a parameter of every layer of a
     pipeline stage under one key (the layer axis prepended), and a key's local shards must share device
     and pinning. ZeRO-Cache keeps layers in different tiers (GPU, pinned host, NVMe files), so each
-    layer's tensor gets its own key, `<key>.layer<global layer index>`, independent of the placement."""
+    layer's tensor gets its own key, `<key>.layer<global layer index>`, independent of the placement; so
+    do the tensors a factory builds (SwiGLU's linear_fc1, saved as its gate and up halves)."""
+    if isinstance(sharded, ShardedTensorFactory):
+        build = sharded.build_fn
+        return replace(sharded, build_fn=lambda *args: per_layer_keys(build(*args)))
     if isinstance(sharded, dict):
         return {k: per_layer_keys(v) for k, v in sharded.items()}
     if isinstance(sharded, list):

@@ -75,9 +75,11 @@ class CheckpointState:
         owned = [p for c in self.chunks for p in c.params]
         id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, iter(owned))
         index = {id(p): i for i, p in enumerate(owned)}
-        # a layer's tensors share one key (the layer axis is prepended), so the offset tells them apart
-        self._model_key = {id(p): f"{id_map[i].key}@{','.join(map(str, id_map[i].global_offset))}"
-                           for i, p in enumerate(owned)}
+        # a layer's tensors share one key (the layer axis is prepended), so the offset tells them apart (a
+        # factory's, SwiGLU's linear_fc1 saved as its gate and up halves: its first half's)
+        offsets = [t.global_offset if hasattr(t, "global_offset") else t.build()[0].global_offset
+                   for t in (id_map[i] for i in range(len(owned)))]
+        self._model_key = {id(p): f"{id_map[i].key}@{','.join(map(str, offsets[i]))}" for i, p in enumerate(owned)}
         state = {}
         for c in self.chunks:
             rows = self._chunk_states(c, writable=is_loading)

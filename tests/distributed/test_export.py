@@ -2,7 +2,8 @@
 
 Tiny models trained here (shared by the tests through module-scoped fixtures): TP 2 on two gloo ranks
 with Megatron's optimizer (stacked layer keys) and with ZeRO-Cache (per-layer keys), PP 2 where this
-checkout runs pipelines on CPU, and one on tinyshakespeare with a real SentencePiece tokenizer. Each
+checkout runs pipelines on CPU, one on tinyshakespeare with a real SentencePiece tokenizer, and one of
+Llama's architecture at TP 2 (eval only: GPT-2 cannot express it). Each
 exported model's logits equal angelgpt's own forward (build_gpt at TP 1 loading the same checkpoint,
 as generate and eval do), greedy decoding agrees token for token, the exported tokenizer encodes as
 the run's, eval gives the validation loss training logged, and bad input gets one line and exit 2
@@ -33,6 +34,16 @@ def _train(root, name, *overrides, nproc=1):
 def megatron_tp2(tmp_path_factory):
     return _train(tmp_path_factory.mktemp("meg"), "ck", "parallel.tensor_model_parallel_size=2",
                   "optim.optimizer=megatron", nproc=2)
+
+
+@pytest.fixture(scope="module")
+def llama_tp2(tmp_path_factory):
+    """The tiny preset made the llama-tiny architecture (SwiGLU's linear_fc1 is saved as its gate and up
+    halves, each sharded over TP)."""
+    return _train(tmp_path_factory.mktemp("llama"), "ck", "parallel.tensor_model_parallel_size=2",
+                  "model.num_query_groups=2", "model.swiglu=true", "model.ffn_hidden_size=128",
+                  "model.normalization=RMSNorm", "model.add_bias_linear=false", "model.position_embedding_type=rope",
+                  "model.untie_embeddings_and_output_weights=true", nproc=2)
 
 
 @pytest.fixture(scope="module")
@@ -198,7 +209,7 @@ def test_sentencepiece_run_exports_its_tokenizer(sentencepiece, tmp_path):
     assert texts[0] == texts[1] and texts[0]["text"].startswith("ROMEO:")
 
 
-@pytest.mark.parametrize("layout", ["megatron_tp2", "sentencepiece"])
+@pytest.mark.parametrize("layout", ["megatron_tp2", "sentencepiece", "llama_tp2"])
 def test_eval_gives_the_loss_training_validated(layout, request):
     run = request.getfixturevalue(layout)
     logged = [r["val_loss"] for r in run.records if r.get("val_loss") is not None]
@@ -236,6 +247,8 @@ def test_bad_input_one_line_exit_2_nothing_written(megatron_tp2, tmp_path):
     rope = _edited(megatron_tp2, bad, "rope", position_embedding_type="rope")
     gqa = _edited(megatron_tp2, bad, "gqa", num_query_groups=2)
     untied = _edited(megatron_tp2, bad, "untied", untie_embeddings_and_output_weights=True)
+    rms = _edited(megatron_tp2, bad, "rms", normalization="RMSNorm")
+    swiglu = _edited(megatron_tp2, bad, "swiglu", swiglu=True)
     (bad / "a_file").write_text("")
     out = tmp_path / "out" / "hf"
     cases = [
@@ -247,6 +260,8 @@ def test_bad_input_one_line_exit_2_nothing_written(megatron_tp2, tmp_path):
         (["--load", rope], "cannot be exported as GPT-2: it uses rope position embeddings"),
         (["--load", gqa], "cannot be exported as GPT-2: it uses grouped-query attention"),
         (["--load", untied], "cannot be exported as GPT-2: its output layer has its own weights"),
+        (["--load", rms], "cannot be exported as GPT-2: it uses RMSNorm"),
+        (["--load", swiglu], "cannot be exported as GPT-2: its MLP is gated"),
         (["--load", megatron_tp2.ck, "--dtype", "fp8"], "--dtype must be one of"),
         (["--load", megatron_tp2.ck, "--max-shard-size", "lots"], "--max-shard-size must be a size"),
         (["--load", megatron_tp2.ck, "--tokenizer", bad / "no_tok"], "--tokenizer"),

@@ -1,12 +1,14 @@
-"""`angelgpt train --rehearse` on CPU: a TP 2 x PP 2 x DP 2 job of 8 ranks rehearsed one process per
-pipeline stage kind under torch's fake process group, each rank's measurement beside the planner's
-prediction; a host budget too small exits 2 with one line naming what ran out, a rank that outgrows its
-share of the node's host memory while it runs is stopped by the launcher within seconds."""
+"""`angelgpt train --rehearse` on CPU: a TP 2 x PP 2 x DP 2 job of 8 ranks (the tiny and the llama-tiny
+preset) rehearsed one process per pipeline stage kind under torch's fake process group, each rank's
+measurement beside the planner's prediction; a host budget too small exits 2 with one line naming what
+ran out, a rank that outgrows its share of the node's host memory while it runs is stopped by the
+launcher within seconds."""
 
 import json
 import time
 
 import psutil
+import pytest
 
 from tests.helpers import check_one_line_error, run_cli
 
@@ -21,10 +23,11 @@ def _mem_total_bytes():
     raise AssertionError("no MemTotal")
 
 
-def test_rehearsal_of_each_stage_kind_reports_memory_beside_the_plan(tmp_path):
+@pytest.mark.parametrize("size", ["tiny", "llama-tiny"])
+def test_rehearsal_of_each_stage_kind_reports_memory_beside_the_plan(tmp_path, size):
     report = tmp_path / "rehearsal.json"
-    proc = run_cli("train", *LAYOUT, "optim.optimizer=zero_cache", "zero_cache.prefetch_cache_sub_group_rate=0.5",
-                   "--rehearse-report", report, timeout=900)
+    proc = run_cli("train", "--size", size, *LAYOUT[2:], "optim.optimizer=zero_cache",
+                   "zero_cache.prefetch_cache_sub_group_rate=0.5", "--rehearse-report", report, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "rehearsal: every rehearsed rank fits" in proc.stdout
     data = json.loads(report.read_text())

@@ -8,11 +8,14 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-def test_tiny_trains_on_gpu(tmp_path):
+@pytest.mark.parametrize("size, optimizer", [("tiny", "megatron"), ("llama-tiny", "megatron"), ("llama-tiny", "zero_cache")])
+def test_tiny_trains_on_gpu(tmp_path, size, optimizer):
+    """The tiny presets, GPT-2's architecture and Llama's (RMSNorm, SwiGLU, RoPE, no biases, untied, GQA)."""
     metrics = tmp_path / "gpu.jsonl"
     from tests.helpers import read_metrics, run_cli
 
-    proc = run_cli("train", "--size", "tiny", "--device", "cuda", "--metrics-file", metrics, "logging.log_interval=1")
+    proc = run_cli("train", "--size", size, "--device", "cuda", "--metrics-file", metrics, "logging.log_interval=1",
+                   f"optim.optimizer={optimizer}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = read_metrics(metrics)
     assert records[-1]["lm_loss"] < 0.7 * records[0]["lm_loss"]

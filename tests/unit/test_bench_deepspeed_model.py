@@ -16,7 +16,7 @@ import torch
 
 from angelgpt.config import parse
 from angelgpt.model.flops import num_params
-from benchmarks.deepspeed_peer import CONFIGS, GPT, MegatronLR, ds_config, param_groups, train_batches
+from benchmarks.deepspeed_peer import CONFIGS, GPT, MegatronLR, ds_config, param_groups, train_batches, unsupported
 from tests.helpers import ROOT, read_metrics, train_tiny
 ITERS = 20
 _LAYER = {"input_layernorm": "ln1", "self_attention.linear_qkv": "qkv", "self_attention.linear_proj": "proj",
@@ -196,6 +196,13 @@ def test_deepspeed_configs_carry_batch_adamw_and_placement(name):
     assert ("offload_param" in zero) == (name == "zero3_offload")
     if name == "zero3_offload":
         assert zero["offload_param"] == {"device": "cpu", "pin_memory": True}
+
+
+@pytest.mark.parametrize("override, needle", [("model.normalization=RMSNorm", "RMSNorm"), ("model.norm_epsilon=1e-6", "eps"),
+                                              ("model.swiglu=true", "GELU MLP"), ("model.add_bias_linear=false", "biased")])
+def test_an_architecture_this_model_does_not_build_is_named(override, needle):
+    assert unsupported(parse("tiny")) is None
+    assert needle in unsupported(parse("tiny", overrides=[override]))
 
 
 def test_unknown_configuration_is_one_line():

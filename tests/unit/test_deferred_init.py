@@ -9,22 +9,23 @@ from angelgpt.config import parse
 from angelgpt.planner import MACHINES, resolve_config
 
 
-def _zero_cache_cfg(*overrides):
-    cfg = parse("tiny", overrides=["optim.optimizer=zero_cache", "model.num_layers=4", "train.micro_batch_size=2",
+def _zero_cache_cfg(*overrides, size="tiny"):
+    cfg = parse(size, overrides=["optim.optimizer=zero_cache", "model.num_layers=4", "train.micro_batch_size=2",
                                      "train.global_batch_size=2", *overrides])
     cfg, _ = resolve_config(cfg, MACHINES["h200"], 1, 1, False)
     return cfg
 
 
+@pytest.mark.parametrize("size", ["tiny", "llama-tiny"])
 @pytest.mark.parametrize("offload", [False, True])
 def test_a_deferred_build_holds_no_layer_until_the_store_fills_and_then_equals_the_ordinary_build(
-        megatron_single_rank, offload):
+        megatron_single_rank, offload, size):
     from angelgpt.model.deferred import materializer
     from angelgpt.model.gpt import build_gpt
     from angelgpt.optimizer.zero_cache import ZeroCacheOptimizer
 
     cfg = _zero_cache_cfg(f"zero_cache.prefetch_cache_sub_group_rate={0.0 if offload else 1.0}",
-                          f"zero_cache.offload_params={str(offload).lower()}", "model.recompute=full")
+                          f"zero_cache.offload_params={str(offload).lower()}", "model.recompute=full", size=size)
     torch.manual_seed(cfg.train.seed)
     ref = build_gpt(cfg, on_gpu=False)
     torch.manual_seed(cfg.train.seed)

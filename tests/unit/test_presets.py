@@ -63,7 +63,8 @@ def test_reference_presets_fit_the_reference_node_by_the_planner(name):
     assert f"fits (margin: gpu {zc['margin']['gpu'] / 2**30:+.2f} GiB" in header, header
 
 
-@pytest.mark.parametrize("name", ["28", "55", "tiny", "125m", "1.3b", "h200-5b", "h200-16b"])
+@pytest.mark.parametrize("name", ["28", "55", "tiny", "125m", "1.3b", "h200-5b", "h200-16b", "llama-tiny", "llama3-8b",
+                                  "h200-llama-29b"])
 def test_params_equal_built_model_extrapolated(name, megatron_single_rank):
     cfg = parse(name)
     one, two = built_params(cfg, 1), built_params(cfg, 2)
@@ -105,7 +106,8 @@ def test_the_h200_28b_preset_is_the_run_that_trained_the_28_shape_on_one_h200():
 def test_presets_list_names_every_preset():
     proc = run_cli("presets", "list")
     assert proc.returncode == 0
-    for name in ("tiny", "125m", "1.3b", "28", "55", "h200-5b", "h200-16b", "h200-28b", "custom"):
+    for name in ("tiny", "125m", "1.3b", "28", "55", "h200-5b", "h200-16b", "h200-28b", "llama-tiny", "llama3-8b",
+                 "h200-llama-29b", "custom"):
         assert any(line.split()[0] == name for line in proc.stdout.splitlines()[1:]), name
     rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines()[1:]}
     assert rows["tiny"][5] == "0.14M" and rows["125m"][5] == "124.5M" and rows["55"][5] == "55.198B"
