@@ -134,5 +134,8 @@ def test_readme_presets_table_matches_the_code():
         assert (row["layers"], row["hidden"], row["heads"].split()[0], row["seq"], row["optimizer"]) == \
             (str(m.num_layers), str(m.hidden_size), str(m.num_attention_heads), str(m.seq_length),
              cfg.optim.optimizer), row
-        assert row["heads"] in (str(m.num_attention_heads), f"{m.num_attention_heads} (x{m.kv_channels})"), row
+        groups = f"{m.num_query_groups} kv groups"
+        assert row["heads"] in (str(m.num_attention_heads), f"{m.num_attention_heads} (x{m.kv_channels})",
+                                f"{m.num_attention_heads} ({groups})", f"{m.num_attention_heads} (x{m.kv_channels}, {groups})"), row
+        assert ("kv groups" in row["heads"]) == (m.num_query_groups != m.num_attention_heads), row
         assert row["params"] == format_params(num_params(cfg)), (row, num_params(cfg))
