@@ -2,12 +2,19 @@
 Megatron's HybridDeviceOptimizer) behind angelgpt's optimizer contract, on GPU: Megatron's
 DistributedDataParallel steps from its gradient buffer (main_grad; fp32 with
 optim.accumulate_grads_in_fp32, DistributedDataParallelConfig's grad_reduce_in_fp32, set where the
-worker wraps the model). Its checkpoint format is Megatron's dp_reshardable (CHECKPOINT_METADATA).
+worker wraps the model). Its checkpoint format is Megatron's `fully_reshardable` (model space: each state
+shaped like its param, keyed like it, so the checkpoint resumes at any TP, PP and DP), or with
+checkpoint.dist_ckpt_optim_fully_reshardable off `dp_reshardable` (each rank's bucket shard as it lies:
+resumes at another DP only); the checkpoint's content metadata names it (`checkpoint_metadata`).
+
+Loading `fully_reshardable` into torch's AdamW (`_load_model_space_state`): megatron-core 0.16 copies
+every key of a param's optimizer state from the checkpoint, whose model-space states leave out Adam's
+`step` (kept in the param groups): the load runs with the states' `step` set aside and put back.
 
 Adam's `step` after a load, without transformer-engine (`_checkpoint_steps`): Megatron's load gives every
-param's state one shared `step` tensor (torch's AdamW then advances it once per param a step), and copies
-into it the step of the states the load request was built from (the placeholder states' 1), not the
-checkpoint's. Each state gets a `step` of its own holding the checkpoint's, which Megatron's loaded param
+param's state one shared `step` tensor (torch's AdamW then advances it once per param a step), and from
+a dp_reshardable checkpoint copies into it the step of the states the load request was built from (the
+placeholder states' 1), not the checkpoint's. Each state gets a `step` of its own holding the checkpoint's, which Megatron's loaded param
 groups carry, where torch's AdamW keeps it (the param's device when fused, else the host).
 
 The CPU offload (Megatron's HybridDeviceOptimizer) also: its params are Megatron's fp32 main params, so it
@@ -30,10 +37,11 @@ class MegatronDistributedOptimizer(Optimizer):
     """Megatron's distributed optimizer (or its CPU offload) with the DDP model whose gradient buffer it
     steps from: zero_grad clears both."""
 
-    def __init__(self, ddp_model, megatron_optimizer, offloaded: bool = False):
+    def __init__(self, ddp_model, megatron_optimizer, offloaded: bool = False, fully_reshardable: bool = True):
         self.model = ddp_model
         self.inner = megatron_optimizer
         self.offloaded = offloaded  # Megatron's HybridDeviceOptimizer (megatron_cpu_offload)
+        self.sharding_type = FULLY_RESHARDABLE if fully_reshardable else DP_RESHARDABLE
 
     @property
     def param_groups(self):
@@ -46,10 +54,14 @@ class MegatronDistributedOptimizer(Optimizer):
         self.model.zero_grad_buffer()
         self.inner.zero_grad()
 
+    def checkpoint_metadata(self) -> dict:
+        return {"distrib_optim_sharding_type": self.sharding_type}
+
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, metadata=None):
         """Megatron's distributed-optimizer state in the format `metadata` names (Megatron's
-        `distrib_optim_sharding_type`: `dp_reshardable` unless the checkpoint says otherwise; megatron-core's
-        own default, `fully_sharded_model_space`, is deprecated and refuses the model's tensors)."""
+        `distrib_optim_sharding_type`: the one checkpoint_metadata gives when saving, the checkpoint's when
+        loading; `dp_reshardable` for a checkpoint that names none; megatron-core's own default,
+        `fully_sharded_model_space`, is deprecated: its flattened ShardedTensors are refused)."""
         if is_loading:
             for torch_optimizer in _torch_optimizers(self.inner):
                 if not any("step" in s for s in torch_optimizer.state.values()):
@@ -60,7 +72,12 @@ class MegatronDistributedOptimizer(Optimizer):
         return self.inner.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading, metadata=metadata)
 
     def load_state_dict(self, state: dict) -> None:
-        self.inner.load_state_dict(state)
+        distributed = _distributed_optimizers(self.inner)
+        model_space = [_take_model_space_state(s) for s in _per_optimizer(state, len(distributed))]
+        self.inner.load_state_dict(state)  # param groups (Adam's step with them); dp_reshardable's states
+        for distributed_optimizer, param_state in zip(distributed, model_space):
+            if param_state is not None:
+                _load_model_space_state(distributed_optimizer, param_state)
         for torch_optimizer in _torch_optimizers(self.inner):
             if self.offloaded:  # a HybridDeviceOptimizer
                 _settle_hybrid(torch_optimizer)
@@ -98,9 +115,45 @@ def _settle_hybrid(hybrid) -> None:
     torch.cuda.synchronize()
 
 
+def _distributed_optimizers(megatron_optimizer):
+    """The DistributedOptimizers of Megatron's (chained) distributed optimizer."""
+    return list(getattr(megatron_optimizer, "chained_optimizers", [megatron_optimizer]))
+
+
 def _torch_optimizers(megatron_optimizer):
     """The torch optimizers (or HybridDeviceOptimizers) inside Megatron's (chained) distributed optimizer."""
-    return [inner.optimizer for inner in getattr(megatron_optimizer, "chained_optimizers", [megatron_optimizer])]
+    return [inner.optimizer for inner in _distributed_optimizers(megatron_optimizer)]
+
+
+def _per_optimizer(state, n: int) -> list:
+    """Each chained DistributedOptimizer's part of a loaded optimizer state, in chain order: the state
+    itself for one (Megatron's ChainedOptimizer saves a single optimizer's unwrapped), else its entries
+    (a dict keyed by position, or a list)."""
+    if n == 1:
+        return [state]
+    return [state[k] for k in sorted(state)] if isinstance(state, dict) else list(state)
+
+
+def _take_model_space_state(state: dict):
+    """A DistributedOptimizer's loaded `fully_reshardable` param state, taken out of `state` (which then
+    loads the param groups only); None, `state` untouched, for another format."""
+    if state.get("param_state_sharding_type") != FULLY_RESHARDABLE:
+        return None
+    del state["param_state_sharding_type"]
+    return state.pop("param_state")
+
+
+def _load_model_space_state(distributed_optimizer, param_state) -> None:
+    """Megatron's load of a `fully_reshardable` param state (the module's note): the main params and
+    moments from the checkpoint, each state's `step` left as it was. A HybridDeviceOptimizer's state
+    dicts are the ones its sub-optimizers hold: set aside and put back there too."""
+    states = [s for s in distributed_optimizer.optimizer.state.values() if "step" in s]
+    steps = [s.pop("step") for s in states]
+    try:
+        distributed_optimizer.load_parameter_state_from_fully_reshardable(param_state)
+    finally:
+        for s, step in zip(states, steps):
+            s["step"] = step
 
 
 def _placeholder_states(torch_optimizer) -> None:
@@ -115,11 +168,13 @@ def _placeholder_states(torch_optimizer) -> None:
     torch_optimizer.zero_grad()
 
 
-DP_RESHARDABLE = "dp_reshardable"
-# what a checkpoint records of its format (dist_checkpointing's content metadata), as Megatron's training
-# loop names it: the distributed optimizer's sharding type (dp_reshardable, Megatron's default: each rank
-# writes its own bucket shard; the checkpoint resumes at another data-parallel size, the same TP and PP;
-# megatron-core 0.16's fully_reshardable does not load into torch's AdamW, whose states carry 'step')
+DP_RESHARDABLE, FULLY_RESHARDABLE = "dp_reshardable", "fully_reshardable"
+# what every checkpoint records of its format (dist_checkpointing's content metadata), as Megatron's
+# training loop names it; Megatron's distributed optimizer records its own sharding type over it
+# (checkpoint_metadata): `fully_reshardable` (at a save every rank gathers its data-parallel group's
+# states into host memory, shaped like the params, and DP rank 0 writes them: resumes at any TP, PP and
+# DP; at a load every rank reads its TP x PP part whole and keeps its shard) or
+# `dp_reshardable` (each rank writes its own bucket shard, no communication: resumes at another DP only)
 CHECKPOINT_METADATA = {"distrib_optim_sharding_type": DP_RESHARDABLE, "chained_optim_avoid_prefix": True}
 
 
@@ -144,4 +199,5 @@ def build_megatron_optimizer(model, cfg: Config, gloo_groups: bool = True) -> Me
         for hybrid in _torch_optimizers(optimizer):
             if not hybrid.param_to_fp32_param:  # Megatron's fp32 main params: no copies (the module's note)
                 hybrid.param_update_in_fp32 = False
-    return MegatronDistributedOptimizer(model, optimizer, offloaded=bool(offload))
+    return MegatronDistributedOptimizer(model, optimizer, offloaded=bool(offload),
+                                        fully_reshardable=cfg.checkpoint.dist_ckpt_optim_fully_reshardable)

@@ -94,9 +94,12 @@ def finish(system, cfg, hw, gpus_per_node, world, gpu, host, nvme, step, rate=No
 
 def checkpoint_staging_bytes(cfg: Config, world: int, pp_rank: int = 0) -> int:
     """Host bytes a rank stages an asynchronous save into, at most: its shard of the fp32 master and two
-    moments (12 bytes a parameter over DP) and the bf16 weights it may be the main replica of."""
+    moments (12 bytes a parameter over DP; Megatron's distributed optimizer saving fully_reshardable
+    gathers its data-parallel group's, 12 bytes a parameter) and the bf16 weights it may be the main
+    replica of."""
     n = sum(p.numel for p in rank_params(cfg, pp_rank))
-    return -(-n * 12 // cfg.data_parallel_size(world)) + n * MODEL_BYTES
+    gathered = cfg.optim.optimizer.startswith("megatron") and cfg.checkpoint.dist_ckpt_optim_fully_reshardable
+    return -(-n * 12 // (1 if gathered else cfg.data_parallel_size(world))) + n * MODEL_BYTES
 
 
 def shortfall(p: SystemPlan) -> int:

@@ -333,10 +333,11 @@ def load(root: str, model, optimizer, scheduler) -> Tuple[int, int]:
     sharding = (metadata or {}).get("distrib_optim_sharding_type")
     if resharding and sharding == "dp_reshardable" and _is_megatrons(optimizer):
         raise ConfigError(f"checkpoint.load: {path} holds Megatron's distributed-optimizer state in the "
-                          f"dp_reshardable format, which resumes at another data-parallel size only; it was "
-                          f"saved at PP x TP = {saved_layout[0]} x {saved_layout[1]}, this run is {here[0]} x "
-                          f"{here[1]}; resume at the saved PP and TP (or train on with optim.optimizer=zero_cache, "
-                          f"whose checkpoints reshard at any layout)")
+                          f"dp_reshardable format (checkpoint.dist_ckpt_optim_fully_reshardable=false), which "
+                          f"resumes at another data-parallel size only; it was saved at PP x TP = "
+                          f"{saved_layout[0]} x {saved_layout[1]}, this run is {here[0]} x {here[1]}; resume at "
+                          f"the saved PP and TP (checkpoints saved with "
+                          f"checkpoint.dist_ckpt_optim_fully_reshardable=true resume at any layout)")
     with optimizer.materialized():
         request = _state(model, optimizer, scheduler, 0, 0, loading=True, saved_layout=saved_layout,
                          metadata=metadata)

@@ -59,11 +59,16 @@ def test_every_optimizer_and_build_starts_from_the_same_model(tmp_path):
     assert first["zero_cache-tp2-sp"] == pytest.approx(first["megatron"], rel=1e-3), first
 
 
+DP_RESHARDABLE = "checkpoint.dist_ckpt_optim_fully_reshardable=false"
 RESHARDS = {
-    # Megatron's default format (dp_reshardable) resumes at another data-parallel size, with its CPU
-    # offload too
-    "megatron-dp2-to-dp1": ("megatron", 2, [], 1, []),
-    "megatron_cpu_offload-dp2-to-dp1": ("megatron_cpu_offload", 2, [], 1, []),
+    # Megatron's distributed optimizer, its default format (fully_reshardable) and its CPU offload: TP,
+    # PP and DP changed
+    **{f"{name}-{case}": (name, *layouts) for name in ("megatron", "megatron_cpu_offload") for case, layouts in {
+        "tp2-to-tp1": (2, [TP2], 1, []), "pp2-to-dp2": (2, [PP2], 2, []), "dp2-to-tp2": (2, [], 2, [TP2]),
+    }.items()},
+    # its dp_reshardable format resumes at another data-parallel size
+    "megatron-dp_reshardable-dp2-to-dp1": ("megatron", 2, [DP_RESHARDABLE], 1, [DP_RESHARDABLE]),
+    "megatron_cpu_offload-dp_reshardable-dp2-to-dp1": ("megatron_cpu_offload", 2, [DP_RESHARDABLE], 1, []),
     "zero_cache-tp2pp2-to-dp2": ("zero_cache", 4, [TP2, PP2], 2, []),
     "zero_cache-dp2-to-tp2-sp": ("zero_cache", 2, [], 2, [TP2, SP]),
 }
@@ -85,13 +90,15 @@ def test_checkpoint_resumes_at_another_layout_on_one_gpu(case, tmp_path):
     assert _losses(resumed) == pytest.approx(_losses(saved)[5:], rel=1e-2), (_losses(resumed), _losses(saved))
 
 
-def test_megatron_checkpoint_at_another_tp_is_refused_in_one_line(tmp_path):
-    """Megatron's dp_reshardable optimizer state resumes at another data-parallel size only: a resume at
-    another TP x PP is refused before training, in one line, exit 2."""
+def test_megatron_dp_reshardable_checkpoint_at_another_tp_is_refused_in_one_line(tmp_path):
+    """Megatron's dp_reshardable optimizer state (checkpoint.dist_ckpt_optim_fully_reshardable=false)
+    resumes at another data-parallel size only: a resume at another TP x PP is refused before training,
+    in one line, whatever the resuming run's own choice of format."""
     ck = tmp_path / "ck"
-    train_shared_gpu(tmp_path, "saved", *OPTIMIZERS["megatron"], "train.train_iters=2", f"checkpoint.save={ck}", nproc=2)
+    train_shared_gpu(tmp_path, "saved", *OPTIMIZERS["megatron"], DP_RESHARDABLE, "train.train_iters=2",
+                     f"checkpoint.save={ck}", nproc=2)
     proc = train_shared_gpu(tmp_path, "resumed", *OPTIMIZERS["megatron"], TP2, "train.train_iters=4",
                             f"checkpoint.load={ck}", nproc=2, check=False)
-    assert proc.returncode != 0
+    assert proc.returncode != 0, proc.stderr[-3000:]
     lines = [line for line in proc.stderr.splitlines() if line.startswith("angelgpt: error: ")]
     assert len(lines) == 1 and "dp_reshardable" in lines[0] and "1 x 1, this run is 1 x 2" in lines[0], proc.stderr[-3000:]

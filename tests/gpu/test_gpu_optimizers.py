@@ -16,6 +16,8 @@ ZC = "optim.optimizer=zero_cache"
 CASES = {
     "megatron": ["optim.optimizer=megatron"],
     "megatron-async": ["optim.optimizer=megatron", "checkpoint.async_save=true"],
+    # Megatron's dp_reshardable format (each rank its own bucket shard)
+    "megatron-dp_reshardable": ["optim.optimizer=megatron", "checkpoint.dist_ckpt_optim_fully_reshardable=false"],
     "megatron_cpu_offload-async": ["optim.optimizer=megatron_cpu_offload", "checkpoint.async_save=true"],
     # half the states on the GPU (Megatron's HybridDeviceOptimizer keeps a GPU Adam beside the CPU one)
     "megatron_cpu_offload-half": ["optim.optimizer=megatron_cpu_offload", "optim.offload_fraction=0.5"],
@@ -49,11 +51,16 @@ def _train(tmp_path, name, *overrides):
 
 
 def _megatron_adam_steps(checkpoint) -> set:
-    """The Adam steps Megatron's distributed optimizer saved with its param groups (its ShardedObject
-    `optimizer.distributed.dp_group_idx_N.optimizer`), read with PyTorch DCP."""
+    """The Adam steps Megatron's distributed optimizer saved with its param groups: in the checkpoint's
+    common state (fully_reshardable), else in its ShardedObject `optimizer.distributed.dp_group_idx_N.optimizer`
+    (dp_reshardable), read with PyTorch DCP."""
     import torch.distributed.checkpoint as dcp
+    from megatron.core.dist_checkpointing import load_common_state_dict
     from torch.distributed.checkpoint import FileSystemReader
 
+    common = load_common_state_dict(str(checkpoint))["optimizer"]
+    if common.get("param_state_sharding_type") == "fully_reshardable":
+        return {group.get("step") for group in common["optimizer"]["param_groups"]}
     keys = [k for k in FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
             if k.startswith("optimizer.distributed.") and k.split("/")[0].endswith(".optimizer")]
     assert keys, f"no Megatron optimizer param groups in {checkpoint}"
