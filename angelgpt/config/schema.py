@@ -448,17 +448,17 @@ class CheckpointConfig:
     with ZeRO-Cache the copy doubles the host memory the states take. The host copy is one buffer,
     pinned on GPU machines, allocated at the first asynchronous save and kept for the next ones, so
     after the first save training waits only for the device-to-host copy."""
-    dist_ckpt_optim_fully_reshardable: bool = True
+    dist_ckpt_optim_fully_reshardable: bool = False
     """Megatron's distributed optimizer (optim.optimizer megatron, megatron_cpu_offload) saves its states
-    in Megatron's fully_reshardable format (Megatron's --dist-ckpt-optim-fully-reshardable; on by
-    default here): shaped and keyed like the params, so the checkpoint resumes at any TP, PP and DP. At
-    a save every rank gathers its data-parallel group's states into host memory (12 bytes per parameter
-    / (TP x PP)) and DP rank 0 writes them; a load reads them whole per TP x PP part. The gather passes
-    every state through host memory before the save returns, so an asynchronous save's stall grows by
-    it. false: Megatron's dp_reshardable, each rank writing its own shard without communication or a
+    in Megatron's fully_reshardable format (Megatron's --dist-ckpt-optim-fully-reshardable): shaped and
+    keyed like the params, so the checkpoint resumes at any TP, PP and DP. At a save every rank gathers
+    its data-parallel group's states into host memory (12 bytes per parameter / (TP x PP)) and DP rank 0
+    writes them; a load reads them whole per TP x PP part. The gather passes every state through host
+    memory before the save returns, so an asynchronous save's stall grows by it. false (the default, as
+    in Megatron): Megatron's dp_reshardable, each rank writing its own shard without communication or a
     gathered copy; that checkpoint resumes at another data-parallel size only (a resume at another TP
-    or PP is refused). A checkpoint records its format: a load follows it, whatever this says. Other
-    optimizers' checkpoints reshard at any layout regardless."""
+    or PP is refused in one line naming this option). A checkpoint records its format: a load follows
+    it, whatever this says. Other optimizers' checkpoints reshard at any layout regardless."""
     stop_grace_s: float = 900.0
     """Seconds a stop request (SIGTERM, SIGINT or SIGUSR1 to the launcher, its workers or both) gives
     the save it starts: the same request arriving again within this time (a scheduler signalling every

@@ -2,10 +2,10 @@
 Megatron's HybridDeviceOptimizer) behind angelgpt's optimizer contract, on GPU: Megatron's
 DistributedDataParallel steps from its gradient buffer (main_grad; fp32 with
 optim.accumulate_grads_in_fp32, DistributedDataParallelConfig's grad_reduce_in_fp32, set where the
-worker wraps the model). Its checkpoint format is Megatron's `fully_reshardable` (model space: each state
-shaped like its param, keyed like it, so the checkpoint resumes at any TP, PP and DP), or with
-checkpoint.dist_ckpt_optim_fully_reshardable off `dp_reshardable` (each rank's bucket shard as it lies:
-resumes at another DP only); the checkpoint's content metadata names it (`checkpoint_metadata`).
+worker wraps the model). Its checkpoint format is Megatron's default, `dp_reshardable` (each rank's bucket
+shard as it lies: resumes at another DP only), or with checkpoint.dist_ckpt_optim_fully_reshardable
+`fully_reshardable` (model space: each state shaped like its param, keyed like it, so the checkpoint
+resumes at any TP, PP and DP); the checkpoint's content metadata names it (`checkpoint_metadata`).
 
 Loading `fully_reshardable` into torch's AdamW (`_load_model_space_state`): megatron-core 0.16 copies
 every key of a param's optimizer state from the checkpoint, whose model-space states leave out Adam's

@@ -333,7 +333,7 @@ def load(root: str, model, optimizer, scheduler) -> Tuple[int, int]:
     sharding = (metadata or {}).get("distrib_optim_sharding_type")
     if resharding and sharding == "dp_reshardable" and _is_megatrons(optimizer):
         raise ConfigError(f"checkpoint.load: {path} holds Megatron's distributed-optimizer state in the "
-                          f"dp_reshardable format (checkpoint.dist_ckpt_optim_fully_reshardable=false), which "
+                          f"dp_reshardable format (the default), which "
                           f"resumes at another data-parallel size only; it was saved at PP x TP = "
                           f"{saved_layout[0]} x {saved_layout[1]}, this run is {here[0]} x {here[1]}; resume at "
                           f"the saved PP and TP (checkpoints saved with "

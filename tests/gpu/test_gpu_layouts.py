@@ -60,15 +60,17 @@ def test_every_optimizer_and_build_starts_from_the_same_model(tmp_path):
 
 
 DP_RESHARDABLE = "checkpoint.dist_ckpt_optim_fully_reshardable=false"
+FULLY = "checkpoint.dist_ckpt_optim_fully_reshardable=true"
 RESHARDS = {
-    # Megatron's distributed optimizer, its default format (fully_reshardable) and its CPU offload: TP,
-    # PP and DP changed
-    **{f"{name}-{case}": (name, *layouts) for name in ("megatron", "megatron_cpu_offload") for case, layouts in {
+    # Megatron's distributed optimizer and its CPU offload saved fully_reshardable: TP, PP and DP changed
+    # (the resuming run's own choice of format left at the default: a load follows the checkpoint)
+    **{f"{name}-{case}": (name, n_save, [FULLY, *save], n_load, load) for name in ("megatron", "megatron_cpu_offload")
+       for case, (n_save, save, n_load, load) in {
         "tp2-to-tp1": (2, [TP2], 1, []), "pp2-to-dp2": (2, [PP2], 2, []), "dp2-to-tp2": (2, [], 2, [TP2]),
     }.items()},
-    # its dp_reshardable format resumes at another data-parallel size
+    # the default format, dp_reshardable, resumes at another data-parallel size
     "megatron-dp_reshardable-dp2-to-dp1": ("megatron", 2, [DP_RESHARDABLE], 1, [DP_RESHARDABLE]),
-    "megatron_cpu_offload-dp_reshardable-dp2-to-dp1": ("megatron_cpu_offload", 2, [DP_RESHARDABLE], 1, []),
+    "megatron_cpu_offload-dp_reshardable-dp2-to-dp1": ("megatron_cpu_offload", 2, [], 1, [FULLY]),
     "zero_cache-tp2pp2-to-dp2": ("zero_cache", 4, [TP2, PP2], 2, []),
     "zero_cache-dp2-to-tp2-sp": ("zero_cache", 2, [], 2, [TP2, SP]),
 }
@@ -91,8 +93,8 @@ def test_checkpoint_resumes_at_another_layout_on_one_gpu(case, tmp_path):
 
 
 def test_megatron_dp_reshardable_checkpoint_at_another_tp_is_refused_in_one_line(tmp_path):
-    """Megatron's dp_reshardable optimizer state (checkpoint.dist_ckpt_optim_fully_reshardable=false)
-    resumes at another data-parallel size only: a resume at another TP x PP is refused before training,
+    """Megatron's dp_reshardable optimizer state (the default, checkpoint.dist_ckpt_optim_fully_reshardable
+    false) resumes at another data-parallel size only: a resume at another TP x PP is refused before training,
     in one line, whatever the resuming run's own choice of format."""
     ck = tmp_path / "ck"
     train_shared_gpu(tmp_path, "saved", *OPTIMIZERS["megatron"], DP_RESHARDABLE, "train.train_iters=2",

@@ -16,8 +16,8 @@ ZC = "optim.optimizer=zero_cache"
 CASES = {
     "megatron": ["optim.optimizer=megatron"],
     "megatron-async": ["optim.optimizer=megatron", "checkpoint.async_save=true"],
-    # Megatron's dp_reshardable format (each rank its own bucket shard)
-    "megatron-dp_reshardable": ["optim.optimizer=megatron", "checkpoint.dist_ckpt_optim_fully_reshardable=false"],
+    # Megatron's fully_reshardable format (the states gathered and saved shaped like the params)
+    "megatron-fully_reshardable": ["optim.optimizer=megatron", "checkpoint.dist_ckpt_optim_fully_reshardable=true"],
     "megatron_cpu_offload-async": ["optim.optimizer=megatron_cpu_offload", "checkpoint.async_save=true"],
     # half the states on the GPU (Megatron's HybridDeviceOptimizer keeps a GPU Adam beside the CPU one)
     "megatron_cpu_offload-half": ["optim.optimizer=megatron_cpu_offload", "optim.offload_fraction=0.5"],

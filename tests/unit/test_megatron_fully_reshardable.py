@@ -90,9 +90,9 @@ def test_megatron_alone_cannot_load_a_fully_reshardable_state_into_torch_adamw()
         inner.load_parameter_state_from_fully_reshardable(_checkpoint(step=5)["param_state"])
 
 
-@pytest.mark.parametrize("override, recorded", [([], FULLY_RESHARDABLE),
-                                                (["checkpoint.dist_ckpt_optim_fully_reshardable=false"],
-                                                 DP_RESHARDABLE)])
+@pytest.mark.parametrize("override, recorded", [([], DP_RESHARDABLE),
+                                                (["checkpoint.dist_ckpt_optim_fully_reshardable=true"],
+                                                 FULLY_RESHARDABLE)])
 def test_checkpoint_records_the_format_the_config_chooses(override, recorded):
     cfg = parse("tiny", overrides=["optim.optimizer=megatron", *override])
     opt = MegatronDistributedOptimizer(None, None,
@@ -105,6 +105,6 @@ def test_async_save_staging_counts_the_gathered_states_of_fully_reshardable():
     dp_reshardable stages the rank's shard only (here at DP 4)."""
     over = ["optim.optimizer=megatron", "checkpoint.async_save=true", "train.global_batch_size=16"]
     gathered, shard = (checkpoint_staging_bytes(parse("tiny", overrides=[*over, *more]), world=4)
-                       for more in ([], ["checkpoint.dist_ckpt_optim_fully_reshardable=false"]))
+                       for more in (["checkpoint.dist_ckpt_optim_fully_reshardable=true"], []))
     n = sum(p.numel for p in rank_params(parse("tiny", overrides=over)))
     assert gathered == n * (12 + MODEL_BYTES) and shard == -(-n * 12 // 4) + n * MODEL_BYTES
