@@ -142,7 +142,7 @@ def test_a_stop_request_after_the_grace_ends_the_job_at_once(tmp_path):
 
 def test_the_wall_clock_limit_saves_and_exits_0_before_it(tmp_path):
     ck, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
-    limit_s = 45.0
+    limit_s = 30.0
     proc = start(ck, metrics, *WIDER, f"train.exit_duration_mins={limit_s / 60}", "checkpoint.save_interval=5")
     started = psutil.Process(proc.pid).create_time()  # the limit counts from the launcher's start
     out, err = finish(proc, job(proc), timeout=120)
