@@ -528,8 +528,8 @@ class TrainConfig:
     exit_duration_mins: Optional[float] = None
     """Wall-clock limit of the job in minutes, counted from the launcher's start (Megatron's
     --exit-duration-in-mins): at the last iteration boundary that leaves time for one more iteration
-    and a save, half again for safety (the last save's measured duration; before any save, 16 bytes
-    per parameter of the rank at 1 GB/s), every rank saves (when checkpoint.save is set) and the job exits 0. None: no limit."""
+    and a save, half again for safety and at least 2 s (the last save's measured duration; before any
+    save, 16 bytes per parameter of the rank at 1 GB/s), every rank saves (when checkpoint.save is set) and the job exits 0. None: no limit."""
     eval_interval: Optional[int] = None
     """Compute validation loss every N iterations; None never."""
     max_consecutive_skips: int = 10

@@ -19,7 +19,7 @@ from angelgpt.parallel.log import EVERY_RANK, get_logger
 from angelgpt.optimizer import Optimizer
 from angelgpt.train import checkpoint
 from angelgpt.train.checkpoint_check import resume_root
-from angelgpt.train.stop import RESERVE_FACTOR, RunControl, report_stop, save_estimate_s
+from angelgpt.train.stop import RESERVE_FACTOR, RESERVE_MIN_S, RunControl, report_stop, save_estimate_s
 from angelgpt.train.metrics import MetricsWriter, Profiling, gpu_alloc_retries, gpu_memory_gib, host_memory_gib
 
 log = get_logger(__name__)
@@ -291,12 +291,13 @@ class Trainer:
 
     def _reserve_s(self, iteration_s: float) -> float:
         """Seconds the wall-clock limit must leave at a boundary: one more iteration and a save (the last
-        save's measured time, else an estimate from this rank's parameters), half again for safety."""
+        save's measured time, else an estimate from this rank's parameters), half again for safety, at
+        least RESERVE_MIN_S."""
         save_s = 0.0
         if self.cfg.checkpoint.save:
             save_s = (self.saver.last_save_s if self.saver is not None and self.saver.last_save_s is not None
                       else save_estimate_s(sum(p.numel() for p in self.model.parameters())))
-        return RESERVE_FACTOR * (iteration_s + save_s)
+        return max(RESERVE_MIN_S, RESERVE_FACTOR * (iteration_s + save_s))
 
     def _iterations(self, it, profiling, flops, tokens_per_iter, world):
         """Trains until the last iteration, a stop signal or too many skips: (last loss, stopped by a

@@ -23,7 +23,8 @@ JOB_START_ENV = "ANGELGPT_JOB_START"  # set by the launcher: the job's start (ti
 DEFAULT_GRACE_S = 900.0  # until the config is read (checkpoint.stop_grace_s)
 SAVE_ESTIMATE_BYTES_PER_PARAM = 16  # before a save was measured: bf16 weight, fp32 master, two moments...
 SAVE_ESTIMATE_BYTES_PER_S = 1e9  # ... written at 1 GB/s
-RESERVE_FACTOR = 1.5  # the wall-clock limit leaves one more iteration and a save, half again for safety
+RESERVE_FACTOR = 1.5  # the wall-clock limit leaves one more iteration and a save, half again for safety,
+RESERVE_MIN_S = 2.0  # and at least this (a tiny model's iteration and save are shorter than a pause)
 
 SIGNAL = 1  # reasons, in the order the agreed (largest) one is told
 DURATION = 2

@@ -69,7 +69,7 @@ def flat(path):
     return {k: v for k, v in torch.load(out, weights_only=False).items() if isinstance(v, torch.Tensor)}
 
 
-@pytest.mark.parametrize("moment", ["after-a-save", "during-a-save"])
+@pytest.mark.parametrize("moment", ["during-a-save"])
 def test_a_worker_killed_mid_run_restarts_from_the_latest_checkpoint_and_ends_like_an_uninterrupted_run(
         tmp_path, uninterrupted, moment):
     import torch
