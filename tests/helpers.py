@@ -104,3 +104,17 @@ def failure_report(proc, head: int = 40, tail: int = 4000) -> str:
         k in line for k in ("Error", "error", "Traceback", "Fatal", "Segmentation", "Aborted", "terminate"))), None)
     parts = [] if first is None else ["--- first error lines ---", *lines[first:first + head]]
     return "\n".join([*parts, "--- stdout tail ---", proc.stdout[-tail:], "--- stderr tail ---", proc.stderr[-tail:]])
+
+
+def processes_of(ck):
+    """Processes still running whose command line names a run's (unique) checkpoint directory."""
+    import psutil
+
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if str(ck) in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except psutil.Error:
+            pass
+    return found

@@ -12,7 +12,7 @@ import time
 import psutil
 import pytest
 
-from tests.helpers import ROOT, run_cli, train_tiny, wait_for
+from tests.helpers import ROOT, processes_of, run_cli, train_tiny, wait_for
 
 pytestmark = pytest.mark.distributed
 
@@ -23,18 +23,6 @@ def start_cli(tmp_path, *args):
     with open(tmp_path / "out.txt", "w") as out, open(tmp_path / "err.txt", "w") as err:
         return subprocess.Popen([sys.executable, "-m", "angelgpt", *map(str, args)], cwd=ROOT, env=env, text=True,
                                 stdout=out, stderr=err)
-
-
-def processes_of(ck):
-    """Processes whose command line names the run's (unique) checkpoint directory."""
-    found = []
-    for p in psutil.process_iter():
-        try:
-            if str(ck) in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE:
-                found.append(p)
-        except psutil.Error:
-            pass
-    return found
 
 
 def snapshot(ck):

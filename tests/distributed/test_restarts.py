@@ -12,7 +12,7 @@ import sys
 import psutil
 import pytest
 
-from tests.helpers import ROOT, failure_report, read_metrics, train_tiny, wait_for
+from tests.helpers import ROOT, failure_report, processes_of, read_metrics, train_tiny, wait_for
 
 pytestmark = pytest.mark.distributed
 WIDER = ["model.num_layers=4", "model.hidden_size=256"]  # a few MB per checkpoint: a save takes a while
@@ -47,17 +47,6 @@ def iterations(metrics):
 
 def tracker(ck):
     return int((ck / "latest_checkpointed_iteration.txt").read_text())
-
-
-def left_behind(ck):
-    found = []
-    for p in psutil.process_iter():
-        try:
-            if str(ck) in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE:
-                found.append(p)
-        except psutil.Error:
-            pass
-    return found
 
 
 def flat(path):
@@ -103,7 +92,7 @@ def test_a_worker_killed_mid_run_restarts_from_the_latest_checkpoint_and_ends_li
     done = subprocess.CompletedProcess(proc.args, proc.returncode, (tmp_path / "out").read_text(),
                                        (tmp_path / "err").read_text())
     assert proc.returncode == 0, failure_report(done)
-    assert wait_for(lambda: not left_behind(ck), timeout=10), left_behind(ck)
+    assert wait_for(lambda: not processes_of(ck), timeout=10), processes_of(ck)
     assert done.stdout.count(f"resumed from {ck} at iteration") == 1
     assert f"resumed from {ck} at iteration {resumed_at}\n" in done.stdout
     assert ("angelgpt: worker local rank 1 was killed by SIGKILL: every worker restarts from the latest "
@@ -146,7 +135,7 @@ def test_a_worker_that_raises_mid_run_restarts_from_the_latest_checkpoint(tmp_pa
     assert proc.returncode == 0, failure_report(done)
     assert f"the checkpoint of iteration {2 * EVERY} could not be saved" in done.stderr
     assert f"resumed from {ck} at iteration {EVERY}\n" in done.stdout
-    assert wait_for(lambda: not left_behind(ck), timeout=10), left_behind(ck)
+    assert wait_for(lambda: not processes_of(ck), timeout=10), processes_of(ck)
     after = read_metrics(metrics)[-(ITERS - EVERY):]
     assert [r["iteration"] for r in after] == list(range(EVERY + 1, ITERS + 1))
     assert [r["lm_loss"] for r in after] == [r["lm_loss"] for r in full[EVERY:]]
