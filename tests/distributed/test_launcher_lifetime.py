@@ -9,7 +9,6 @@ import subprocess
 import sys
 import time
 
-import psutil
 import pytest
 
 from tests.helpers import ROOT, processes_of, run_cli, train_tiny, wait_for
