@@ -18,7 +18,7 @@ angelgpt's default architecture is GPT-2's: learned absolute positions, pre-Laye
   ``vocab_size`` is the padded size, so logits match on every id, or with ``trim_vocab`` the real size
   (``model.vocab_size``), the rows past it dropped (logits on real ids are unchanged).
 
-What GPT-2 cannot express is refused with a ConfigError naming why: RoPE, untied output weights,
+What GPT-2 cannot express is named by ``gpt2_problem`` (export then tries Llama, llama.py): RoPE, untied output weights,
 grouped-query attention, a head size other than hidden / heads, RMSNorm, a norm epsilon other than
 1e-5, a gated (SwiGLU) MLP, missing biases.
 """
