@@ -59,11 +59,12 @@ def llama_tp2(tmp_path_factory):
 @pytest.fixture(scope="module")
 def llama_pp2_zero_cache(tmp_path_factory):
     """Llama's architecture with what llama-tiny leaves out: biased linears (attention_bias, mlp_bias),
-    tied embeddings, head size 32 x 4 heads for hidden 64, RoPE base 500000."""
+    tied embeddings, head size 32 x 4 heads for hidden 64, RoPE base 500000, a vocabulary of 500 padded
+    to 512."""
     _pipelines_on_cpu()
     return _train(tmp_path_factory.mktemp("llama_pp"), "ck", "parallel.pipeline_model_parallel_size=2",
                   "optim.optimizer=zero_cache", *LLAMA, "model.add_bias_linear=true", "model.kv_channels=32",
-                  "model.rotary_base=500000", nproc=2)
+                  "model.rotary_base=500000", "model.vocab_size=500", nproc=2)
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +153,9 @@ def test_llama_export_logits_equal_angelgpts_forward(layout, request, tmp_path):
     run = request.getfixturevalue(layout)
     out = tmp_path / "hf"
     biased = layout == "llama_pp2_zero_cache"
-    summary = _export(run, out, max_shard_size="100KB" if biased else "5GB")
+    # the biased one sharded (shards and index as transformers writes them) and its vocabulary trimmed
+    summary = _export(run, out, max_shard_size="100KB" if biased else "5GB", trim_vocab=biased)
+    vocab = 500 if biased else 512
     assert summary["architecture"] == "LlamaForCausalLM" and summary["iteration"] == ITERS
     files = {p.name for p in out.iterdir()}
     if biased:
@@ -166,16 +169,17 @@ def test_llama_export_logits_equal_angelgpts_forward(layout, request, tmp_path):
     assert config["head_dim"] == (32 if biased else 16) and config["max_position_embeddings"] == 64
     assert config["attention_bias"] == config["mlp_bias"] == biased
     assert config["tie_word_embeddings"] == biased
-    assert config["rope_parameters"]["rope_theta"] == (500000 if biased else 10000)
+    assert config["rope_parameters"]["rope_theta"] == (500000 if biased else 10000) and config["vocab_size"] == vocab
 
     model = LlamaForCausalLM.from_pretrained(out).eval()
     names = {n for n, _ in model.named_parameters()}
     assert ("lm_head.weight" in names) != biased and ("model.layers.1.self_attn.q_proj.bias" in names) == biased
-    tokens = _tokens(512)
+    tokens = _tokens(vocab)
     with torch.no_grad():
         theirs = model(tokens).logits
     ours = _angelgpt_logits(run.ck, tokens)
-    assert theirs.shape == ours.shape == (2, 64, 512)
+    assert theirs.shape == (2, 64, vocab) and ours.shape == (2, 64, 512)
+    ours = ours[..., :vocab]  # the padded rows dropped
     assert (theirs - ours).abs().max().item() <= 1e-4 * ours.abs().max().item()
 
 
@@ -183,7 +187,8 @@ def test_llama_greedy_generate_equals_transformers(llama_tp2, tmp_path):
     from transformers import LlamaForCausalLM
 
     out = tmp_path / "hf"
-    _export(llama_tp2, out)
+    done = run_cli_in_process("export", "--load", llama_tp2.ck, "--output", out)
+    assert done.returncode == 0 and f"wrote {out}: LlamaForCausalLM, " in done.stdout, done.stdout + done.stderr
     prompt = [5, 17, 300, 42]
     results = []
     for load in (llama_tp2.ck, out):  # angelgpt's model, then the export through transformers
