@@ -10,7 +10,8 @@
 A checkpoint is Llama's architecture when its norms are RMSNorm (``model.normalization``), its MLP is
 SwiGLU (``model.swiglu``), its positions are RoPE over whole heads (``model.position_embedding_type``
 rope, ``model.rotary_percent`` 1); grouped-query attention, untied output weights, linear biases (all
-or none: ``attention_bias`` and ``mlp_bias``), any head size and norm epsilon are expressed. The
+or none: ``attention_bias`` and ``mlp_bias``), any norm epsilon and any head size (``head_dim``; the
+hidden size a multiple of the heads, as LlamaConfig checks) are expressed. The
 mapping, as Megatron-core computes and transformers' modeling_llama does:
 - ``linear_qkv`` rows interleave by query group (its query heads, its key head, its value head;
   ``SelfAttention.get_query_key_value_tensors``): split into ``q_proj``, ``k_proj``, ``v_proj``
