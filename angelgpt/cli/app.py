@@ -264,7 +264,7 @@ def export_command(
     trim_vocab: bool = typer.Option(False, "--trim-vocab", help="vocab_size = model.vocab_size, not the padded one"),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing --output"),
 ) -> None:
-    """A checkpoint as a Hugging Face transformers GPT-2 directory (safetensors, config, tokenizer)."""
+    """A checkpoint as a Hugging Face transformers GPT-2 or Llama directory (safetensors, config, tokenizer)."""
     checkpoint_check.find_checkpoint(load, iteration)
     from angelgpt.export import quiet
     from angelgpt.export.export import export
@@ -273,7 +273,7 @@ def export_command(
         s = export(load, output, iteration, dtype, max_shard_size, tokenizer, trim_vocab, overwrite)
     shards = [f for f in s["files"] if f.endswith(".safetensors")]
     weights = shards[0] if len(shards) == 1 else f"{len(shards)} safetensors shards and their index"
-    print(f"wrote {s['output']}: GPT2LMHeadModel, {s['parameters']:,} parameters ({s['dtype']}) from iteration "
+    print(f"wrote {s['output']}: {s['architecture']}, {s['parameters']:,} parameters ({s['dtype']}) from iteration "
           f"{s['iteration']}, {weights}" + (", tokenizer" if s["tokenizer"] else ""))
 
 

@@ -1,6 +1,6 @@
 """After training: export a checkpoint to Hugging Face transformers, generate from it, evaluate it.
 
-    angelgpt export --load runs/ck --output runs/hf          # export.py (GPT-2: gpt2.py)
+    angelgpt export --load runs/ck --output runs/hf          # export.py (GPT-2: gpt2.py, Llama: llama.py)
     angelgpt generate --load runs/ck --prompt "ROMEO:"       # generate.py (checkpoint or runs/hf)
     angelgpt eval --load runs/ck --json                      # evaluate.py
 

@@ -1,4 +1,4 @@
-"""`angelgpt export`: a checkpoint as a transformers model directory (GPT2LMHeadModel).
+"""`angelgpt export`: a checkpoint as a transformers model directory (GPT2LMHeadModel or LlamaForCausalLM).
 
     angelgpt export --load runs/ck --output runs/hf                    # latest checkpoint, stored dtype
     angelgpt export --load runs/ck --output runs/hf --iteration 200 --dtype bf16 --max-shard-size 2GB
@@ -7,7 +7,10 @@
     model = AutoModelForCausalLM.from_pretrained("runs/hf")
     tok = AutoTokenizer.from_pretrained("runs/hf")          # when the run had a SentencePiece tokenizer
 
-Writes config.json, generation_config.json, model.safetensors (or model-0000k-of-0000n.safetensors and
+The architecture is the checkpoint's (``architecture``): GPT-2's when GPT-2 expresses it (gpt2.py),
+else Llama's when Llama does (llama.py: RMSNorm, SwiGLU, RoPE, untied, grouped-query); a checkpoint
+neither expresses (LayerNorm with RoPE, learned positions with RMSNorm, partial rotary...) is refused
+with both reasons. Writes config.json, generation_config.json, model.safetensors (or model-0000k-of-0000n.safetensors and
 model.safetensors.index.json above --max-shard-size), the tokenizer when the run used one
 (tokenizer.json, tokenizer_config.json, tokenizer.model) and angelgpt.json (the source checkpoint, its
 iteration and the run's config). The checkpoint is read tensor by tensor (checkpoint_reader.py) and
@@ -100,29 +103,44 @@ def staged_directory(output: Path, overwrite: bool):
             signal.signal(signal.SIGTERM, previous)
 
 
+def architecture(reader):
+    """("GPT2LMHeadModel" or "LlamaForCausalLM", its config function, its tensors function) for the
+    checkpoint; ConfigError naming why when neither expresses it."""
+    from angelgpt.export.gpt2 import gpt2_config, gpt2_problem, gpt2_tensors
+    from angelgpt.export.llama import llama_config, llama_problem, llama_tensors
+
+    not_gpt2 = gpt2_problem(reader)
+    if not_gpt2 is None:
+        return "GPT2LMHeadModel", gpt2_config, gpt2_tensors
+    not_llama = llama_problem(reader)
+    if not_llama is None:
+        return "LlamaForCausalLM", llama_config, llama_tensors
+    raise ConfigError(f"checkpoint {reader.path} cannot be exported as Llama: {not_llama}; nor as GPT-2: "
+                      f"{not_gpt2}")
+
+
 def export(load: str, output: str, iteration: Optional[int] = None, dtype: Optional[str] = None,
            max_shard_size: str = "5GB", tokenizer: Optional[str] = None, trim_vocab: bool = False,
            overwrite: bool = False, progress: Optional[bool] = None) -> dict:
-    """Exports; returns a summary (output, iteration, files, parameters, dtype). Bad input raises
+    """Exports; returns a summary (output, architecture, iteration, files, parameters, dtype). Bad input raises
     ConfigError before anything is written."""
     from transformers import GenerationConfig
 
     from angelgpt.export.checkpoint_reader import CheckpointReader
-    from angelgpt.export.gpt2 import check_gpt2, gpt2_config, gpt2_tensors
     from angelgpt.export.hf_tokenizer import check_tokenizer, save_tokenizer
     from angelgpt.export.safetensors_writer import nbytes, parse_size, write_safetensors
 
     to_dtype = parse_dtype(dtype)
     max_bytes = parse_size(max_shard_size)
     reader = CheckpointReader.open(load, iteration)
-    check_gpt2(reader)
+    arch, make_config, make_tensors = architecture(reader)
     cfg = reader.config
     to_dtype = to_dtype or reader.dtype("embedding.word_embeddings.weight")
     spec = tokenizer or cfg["data"].get("tokenizer")
     if spec:
         check_tokenizer(spec, "--tokenizer" if tokenizer else "the run's tokenizer (data.tokenizer)")
 
-    tensors = [(name, shape, to_dtype, make) for name, shape, make in gpt2_tensors(reader, to_dtype, trim_vocab)]
+    tensors = [(name, shape, to_dtype, make) for name, shape, make in make_tensors(reader, to_dtype, trim_vocab)]
     out = Path(output)
     from angelgpt.data.tokenizer import progress_bar
 
@@ -132,7 +150,7 @@ def export(load: str, output: str, iteration: Optional[int] = None, dtype: Optio
             ids = save_tokenizer(spec, tmp, cfg["model"]["seq_length"])
         else:  # mock data: angelgpt's MockTokenizer ends documents with the last id
             ids["eos"] = cfg["model"]["vocab_size"] - 1
-        config = gpt2_config(reader, trim_vocab, to_dtype, ids["bos"] if ids["bos"] is not None else ids["eos"],
+        config = make_config(reader, trim_vocab, to_dtype, ids["bos"] if ids["bos"] is not None else ids["eos"],
                              ids["eos"])
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         GenerationConfig(bos_token_id=config["bos_token_id"], eos_token_id=ids["eos"],
@@ -144,5 +162,5 @@ def export(load: str, output: str, iteration: Optional[int] = None, dtype: Optio
                           unit=" tensors") as bar:
             files = write_safetensors(tmp, tensors, max_bytes, bar)
     params = sum(nbytes(s, torch.float32) // 4 for _, s, _, _ in tensors)
-    return {"output": str(out), "iteration": reader.iteration, "files": files, "parameters": params,
+    return {"output": str(out), "architecture": arch, "iteration": reader.iteration, "files": files, "parameters": params,
             "dtype": str(to_dtype).replace("torch.", ""), "tokenizer": bool(spec)}

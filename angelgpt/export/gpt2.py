@@ -18,7 +18,7 @@ angelgpt's default architecture is GPT-2's: learned absolute positions, pre-Laye
   ``vocab_size`` is the padded size, so logits match on every id, or with ``trim_vocab`` the real size
   (``model.vocab_size``), the rows past it dropped (logits on real ids are unchanged).
 
-What GPT-2 cannot express is refused with a ConfigError naming why: RoPE, untied output weights,
+What GPT-2 cannot express is named by ``gpt2_problem`` (export then tries Llama, llama.py): RoPE, untied output weights,
 grouped-query attention, a head size other than hidden / heads, RMSNorm, a norm epsilon other than
 1e-5, a gated (SwiGLU) MLP, missing biases.
 """
@@ -39,8 +39,8 @@ FC1 = "decoder.layers.mlp.linear_fc1"
 FC2 = "decoder.layers.mlp.linear_fc2"
 
 
-def check_gpt2(reader) -> None:
-    """Raises ConfigError when the checkpoint's architecture is not GPT-2's."""
+def gpt2_problem(reader) -> Optional[str]:
+    """Why the checkpoint's architecture is not GPT-2's, or None when it is."""
     m = reader.config["model"]
     why = None
     if m.get("position_embedding_type", "learned_absolute") != "learned_absolute":
@@ -77,6 +77,12 @@ def check_gpt2(reader) -> None:
         elif reader.shape(f"{FC1}.weight", 0)[0] != m["ffn_hidden_size"]:
             why = (f"its MLP's first layer has {reader.shape(f'{FC1}.weight', 0)[0]} outputs for ffn_hidden_size "
                    f"{m['ffn_hidden_size']} (a gated MLP; GPT-2's is not gated)")
+    return why
+
+
+def check_gpt2(reader) -> None:
+    """Raises ConfigError when the checkpoint's architecture is not GPT-2's."""
+    why = gpt2_problem(reader)
     if why:
         raise ConfigError(f"checkpoint {reader.path} cannot be exported as GPT-2: {why}")
 
@@ -121,16 +127,24 @@ def gpt2_config(reader, trim_vocab: bool = False, dtype: Optional[torch.dtype] =
     return config
 
 
-def qkv_to_gpt2(t: torch.Tensor, heads: int, groups: int, head_dim: int) -> torch.Tensor:
-    """Megatron's per-group interleaved rows [q of group 0, k0, v0, q of group 1, ...] (first axis) to
-    GPT-2's [all q, all k, all v]. Works on weights [rows, in] and biases [rows]."""
+def split_qkv(t: torch.Tensor, heads: int, groups: int,
+              head_dim: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Megatron's per-group interleaved rows [q of group 0, k0, v0, q of group 1, ...] (first axis) as
+    (all q heads, all k heads, all v heads), each in head order: query head j belongs to key/value
+    group j // (heads / groups), as transformers' ``repeat_kv`` pairs them. Works on weights [rows, in]
+    and biases [rows]."""
     per_group = heads // groups
     rest = t.shape[1:]
     grouped = t.reshape(groups, per_group + 2, head_dim, *rest)
     q = grouped[:, :per_group].reshape(heads * head_dim, *rest)
     k = grouped[:, per_group].reshape(groups * head_dim, *rest)
     v = grouped[:, per_group + 1].reshape(groups * head_dim, *rest)
-    return torch.cat([q, k, v], dim=0)
+    return q, k, v
+
+
+def qkv_to_gpt2(t: torch.Tensor, heads: int, groups: int, head_dim: int) -> torch.Tensor:
+    """Megatron's linear_qkv rows as GPT-2's c_attn rows [all q, all k, all v]."""
+    return torch.cat(split_qkv(t, heads, groups, head_dim), dim=0)
 
 
 Tensor = Tuple[str, Tuple[int, ...], Callable[[], torch.Tensor]]

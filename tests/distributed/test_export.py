@@ -2,9 +2,10 @@
 
 Tiny models trained here (shared by the tests through module-scoped fixtures): TP 2 on two gloo ranks
 with Megatron's optimizer (stacked layer keys) and with ZeRO-Cache (per-layer keys), PP 2 where this
-checkout runs pipelines on CPU, one on tinyshakespeare with a real SentencePiece tokenizer, and one of
-Llama's architecture at TP 2 (eval only: GPT-2 cannot express it). Each
-exported model's logits equal angelgpt's own forward (build_gpt at TP 1 loading the same checkpoint,
+checkout runs pipelines on CPU, one on tinyshakespeare with a real SentencePiece tokenizer, and two of
+Llama's architecture (exported as LlamaForCausalLM): llama-tiny's at TP 2 with Megatron's optimizer,
+and at PP 2 with ZeRO-Cache and linear biases, tied embeddings, a head size other than hidden / heads
+and RoPE base 500000. Each exported model's logits equal angelgpt's own forward (build_gpt at TP 1 loading the same checkpoint,
 as generate and eval do), greedy decoding agrees token for token, the exported tokenizer encodes as
 the run's, eval gives the validation loss training logged, and bad input gets one line and exit 2
 with no output directory left behind.
@@ -22,12 +23,23 @@ from tests.helpers import CORPUS, check_one_line_error, run_cli, run_cli_in_proc
 pytestmark = pytest.mark.distributed
 
 ITERS = 3
+LLAMA = ["model.num_query_groups=2", "model.swiglu=true", "model.ffn_hidden_size=128", "model.normalization=RMSNorm",
+         "model.position_embedding_type=rope"]  # with the tiny preset: llama-tiny's architecture
 
 
 def _train(root, name, *overrides, nproc=1):
     records = train_tiny(root, name, f"--save={root / name}", f"train.train_iters={ITERS}",
                          f"train.eval_interval={ITERS}", *overrides, nproc=nproc)
     return SimpleNamespace(ck=root / name, records=records)
+
+
+def _pipelines_on_cpu():
+    from angelgpt.config import ConfigError, parse
+
+    try:
+        parse("tiny", None, ["parallel.pipeline_model_parallel_size=2"]).check_device(False)
+    except ConfigError as exc:
+        pytest.skip(f"pipeline parallelism does not run on CPU here: {exc}")
 
 
 @pytest.fixture(scope="module")
@@ -40,10 +52,19 @@ def megatron_tp2(tmp_path_factory):
 def llama_tp2(tmp_path_factory):
     """The tiny preset made the llama-tiny architecture (SwiGLU's linear_fc1 is saved as its gate and up
     halves, each sharded over TP)."""
-    return _train(tmp_path_factory.mktemp("llama"), "ck", "parallel.tensor_model_parallel_size=2",
-                  "model.num_query_groups=2", "model.swiglu=true", "model.ffn_hidden_size=128",
-                  "model.normalization=RMSNorm", "model.add_bias_linear=false", "model.position_embedding_type=rope",
-                  "model.untie_embeddings_and_output_weights=true", nproc=2)
+    return _train(tmp_path_factory.mktemp("llama"), "ck", "parallel.tensor_model_parallel_size=2", *LLAMA,
+                  "model.add_bias_linear=false", "model.untie_embeddings_and_output_weights=true", nproc=2)
+
+
+@pytest.fixture(scope="module")
+def llama_pp2_zero_cache(tmp_path_factory):
+    """Llama's architecture with what llama-tiny leaves out: biased linears (attention_bias, mlp_bias),
+    tied embeddings, head size 32 x 4 heads for hidden 64, RoPE base 500000, a vocabulary of 500 padded
+    to 512."""
+    _pipelines_on_cpu()
+    return _train(tmp_path_factory.mktemp("llama_pp"), "ck", "parallel.pipeline_model_parallel_size=2",
+                  "optim.optimizer=zero_cache", *LLAMA, "model.add_bias_linear=true", "model.kv_channels=32",
+                  "model.rotary_base=500000", "model.vocab_size=500", nproc=2)
 
 
 @pytest.fixture(scope="module")
@@ -54,12 +75,7 @@ def zero_cache_tp2(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory):
-    from angelgpt.config import ConfigError, parse
-
-    try:
-        parse("tiny", None, ["parallel.pipeline_model_parallel_size=2"]).check_device(False)
-    except ConfigError as exc:
-        pytest.skip(f"pipeline parallelism does not run on CPU here: {exc}")
+    _pipelines_on_cpu()
     return _train(tmp_path_factory.mktemp("pp"), "ck", "parallel.pipeline_model_parallel_size=2", nproc=2)
 
 
@@ -128,6 +144,63 @@ def test_export_logits_equal_angelgpts_forward(layout, request, tmp_path):
     ours = _angelgpt_logits(run.ck, tokens)
     assert theirs.shape == ours.shape == (2, 64, 512)
     assert (theirs - ours).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("layout", ["llama_tp2", "llama_pp2_zero_cache"])
+def test_llama_export_logits_equal_angelgpts_forward(layout, request, tmp_path):
+    from transformers import LlamaForCausalLM
+
+    run = request.getfixturevalue(layout)
+    out = tmp_path / "hf"
+    biased = layout == "llama_pp2_zero_cache"
+    # the biased one sharded (shards and index as transformers writes them) and its vocabulary trimmed
+    summary = _export(run, out, max_shard_size="100KB" if biased else "5GB", trim_vocab=biased)
+    vocab = 500 if biased else 512
+    assert summary["architecture"] == "LlamaForCausalLM" and summary["iteration"] == ITERS
+    files = {p.name for p in out.iterdir()}
+    if biased:
+        index = json.loads((out / "model.safetensors.index.json").read_text())
+        assert len(set(index["weight_map"].values())) > 1 and set(index["weight_map"].values()) <= files
+    else:
+        assert "model.safetensors" in files, files
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["hidden_act"] == "silu"
+    assert (config["num_attention_heads"], config["num_key_value_heads"], config["intermediate_size"]) == (4, 2, 128)
+    assert config["head_dim"] == (32 if biased else 16) and config["max_position_embeddings"] == 64
+    assert config["attention_bias"] == config["mlp_bias"] == biased
+    assert config["tie_word_embeddings"] == biased
+    assert config["rope_parameters"]["rope_theta"] == (500000 if biased else 10000) and config["vocab_size"] == vocab
+
+    model = LlamaForCausalLM.from_pretrained(out).eval()
+    names = {n for n, _ in model.named_parameters()}
+    assert ("lm_head.weight" in names) != biased and ("model.layers.1.self_attn.q_proj.bias" in names) == biased
+    tokens = _tokens(vocab)
+    with torch.no_grad():
+        theirs = model(tokens).logits
+    ours = _angelgpt_logits(run.ck, tokens)
+    assert theirs.shape == (2, 64, vocab) and ours.shape == (2, 64, 512)
+    ours = ours[..., :vocab]  # the padded rows dropped
+    assert (theirs - ours).abs().max().item() <= 1e-4 * ours.abs().max().item()
+
+
+def test_llama_greedy_generate_equals_transformers(llama_tp2, tmp_path):
+    from transformers import LlamaForCausalLM
+
+    out = tmp_path / "hf"
+    done = run_cli_in_process("export", "--load", llama_tp2.ck, "--output", out)
+    assert done.returncode == 0 and f"wrote {out}: LlamaForCausalLM, " in done.stdout, done.stdout + done.stderr
+    prompt = [5, 17, 300, 42]
+    results = []
+    for load in (llama_tp2.ck, out):  # angelgpt's model, then the export through transformers
+        proc = run_cli_in_process("generate", "--load", load, "--prompt", " ".join(map(str, prompt)),
+                                  "--temperature", "0", "--max-new-tokens", "12", "--json")
+        assert proc.returncode == 0, proc.stderr
+        results.append(json.loads(proc.stdout))
+    assert results[0] == results[1] and len(results[0]["new_ids"]) == 12
+    model = LlamaForCausalLM.from_pretrained(out).eval()
+    theirs = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, 4, dtype=torch.long),
+                            do_sample=False, max_new_tokens=12, pad_token_id=511)
+    assert theirs[0, 4:].tolist() == results[0]["new_ids"]
 
 
 def test_bf16_and_trimmed_vocabulary(megatron_tp2, tmp_path):
@@ -234,7 +307,7 @@ def _edited(run, root, name, **model):
     return ck
 
 
-def test_bad_input_one_line_exit_2_nothing_written(megatron_tp2, tmp_path):
+def test_bad_input_one_line_exit_2_nothing_written(megatron_tp2, llama_tp2, tmp_path):
     bad = tmp_path / "bad"
     bad.mkdir()
     partial = bad / "partial"
@@ -249,6 +322,8 @@ def test_bad_input_one_line_exit_2_nothing_written(megatron_tp2, tmp_path):
     untied = _edited(megatron_tp2, bad, "untied", untie_embeddings_and_output_weights=True)
     rms = _edited(megatron_tp2, bad, "rms", normalization="RMSNorm")
     swiglu = _edited(megatron_tp2, bad, "swiglu", swiglu=True)
+    layernorm_rope_swiglu = _edited(llama_tp2, bad, "ln_llama", normalization="LayerNorm")
+    partial_rotary = _edited(llama_tp2, bad, "partial_rotary", rotary_percent=0.5)
     (bad / "a_file").write_text("")
     out = tmp_path / "out" / "hf"
     cases = [
@@ -257,11 +332,14 @@ def test_bad_input_one_line_exit_2_nothing_written(megatron_tp2, tmp_path):
         (["--load", partial], "is incomplete: it has no manifest.json"),
         (["--load", corrupt], "is corrupted"),
         (["--load", megatron_tp2.ck, "--iteration", "99"], "has no checkpoint of iteration 99"),
-        (["--load", rope], "cannot be exported as GPT-2: it uses rope position embeddings"),
-        (["--load", gqa], "cannot be exported as GPT-2: it uses grouped-query attention"),
-        (["--load", untied], "cannot be exported as GPT-2: its output layer has its own weights"),
-        (["--load", rms], "cannot be exported as GPT-2: it uses RMSNorm"),
-        (["--load", swiglu], "cannot be exported as GPT-2: its MLP is gated"),
+        (["--load", rope], "as Llama: model.normalization is LayerNorm (Llama's norms are RMSNorm); nor as "
+                           "GPT-2: it uses rope position embeddings"),
+        (["--load", gqa], "nor as GPT-2: it uses grouped-query attention"),
+        (["--load", untied], "nor as GPT-2: its output layer has its own weights"),
+        (["--load", rms], "as Llama: model.position_embedding_type is learned_absolute"),
+        (["--load", swiglu], "as Llama: model.normalization is LayerNorm"),
+        (["--load", layernorm_rope_swiglu], "cannot be exported as Llama: model.normalization is LayerNorm"),
+        (["--load", partial_rotary], "cannot be exported as Llama: model.rotary_percent is 0.5"),
         (["--load", megatron_tp2.ck, "--dtype", "fp8"], "--dtype must be one of"),
         (["--load", megatron_tp2.ck, "--max-shard-size", "lots"], "--max-shard-size must be a size"),
         (["--load", megatron_tp2.ck, "--tokenizer", bad / "no_tok"], "--tokenizer"),
