@@ -183,3 +183,34 @@ def test_gpt2_import_then_export_gives_back_its_tensors(gpt2, tmp_path):
         assert torch.equal(back[name], tensor), name
     text = "ROMEO: But soft, what light"
     assert AutoTokenizer.from_pretrained(tmp_path / "back").encode(text) == AutoTokenizer.from_pretrained(gpt2).encode(text)
+
+
+_PEAK = ("import resource, sys\nfrom angelgpt.cli.app import main\ntry:\n    main(['import', '--hf', sys.argv[1], "
+         "'--save', sys.argv[2]])\nexcept SystemExit as exc:\n    assert not exc.code, exc.code\n"
+         "print('PEAK', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")
+
+
+def test_import_holds_the_model_and_about_one_shard(tmp_path):
+    """Peak host memory of an import of a 92 MiB model in 10 MB shards, beyond an import of a tiny one
+    (the same process otherwise): the model once and a few shards' worth (each tensor read alone, each
+    shard's mapping closed before the next), not the weights twice."""
+    import subprocess
+    import sys
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    peaks, sizes = [], []
+    for name, hidden, layers, ffn in (("small", 64, 2, 128), ("big", 512, 8, 1408)):
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+                             num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=128)
+        model = LlamaForCausalLM(config)
+        model.save_pretrained(tmp_path / name, max_shard_size="10MB")
+        sizes.append(sum(p.numel() for p in model.parameters()) * 4)
+        del model
+        proc = subprocess.run([sys.executable, "-c", _PEAK, str(tmp_path / name), str(tmp_path / f"{name}_ck")],
+                              capture_output=True, text=True, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        peaks.append(int(proc.stdout.split("PEAK")[-1]))
+    grown = peaks[1] - peaks[0]
+    assert grown < 1.5 * sizes[1], (grown / 2**20, sizes[1] / 2**20)  # (measured: 1.27; read whole: 2+)
