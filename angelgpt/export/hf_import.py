@@ -3,7 +3,8 @@
     from angelgpt.export.hf_import import import_hf
     summary = import_hf("models/llama", "runs/ck")     # writes runs/ck/iter_0000000 and runs/ck/config.yaml
 
-``LlamaForCausalLM`` (Llama, Mistral without a sliding window) and ``GPT2LMHeadModel`` are read. The
+``LlamaForCausalLM`` (Llama, Mistral without a sliding window), ``Qwen2ForCausalLM`` (its q, k, v biases:
+``model.add_qkv_bias``) and ``GPT2LMHeadModel`` are read. The
 architecture implies the model section of the config (RMSNorm, SwiGLU, RoPE, grouped-query attention,
 untied output weights for Llama; GPT-2's LayerNorm, exact GELU, learned positions, tied weights), and
 ``data.tokenizer`` is the model directory when it holds a tokenizer. angelgpt's GPT is built on CPU at
@@ -29,7 +30,7 @@ import torch
 
 from angelgpt.config import ConfigError
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "GPT2LMHeadModel")
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "GPT2LMHeadModel")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
@@ -60,6 +61,7 @@ def _llama_model(hf: dict, hf_dir: str) -> dict:
     scaling, theta = _rope(hf)
     heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    qwen2 = hf["architectures"][0] == "Qwen2ForCausalLM"  # q, k, v biases; none in o_proj and the MLP
     attention_bias, mlp_bias = bool(hf.get("attention_bias")), bool(hf.get("mlp_bias"))
     if hf.get("sliding_window") is not None and hf.get("use_sliding_window", True):
         why = f"it uses sliding-window attention ({hf['sliding_window']} tokens)"
@@ -79,7 +81,7 @@ def _llama_model(hf: dict, hf_dir: str) -> dict:
     return dict(num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"], num_attention_heads=heads,
                 num_query_groups=hf.get("num_key_value_heads") or heads, kv_channels=head_dim,
                 ffn_hidden_size=hf["intermediate_size"], swiglu=True, normalization="RMSNorm",
-                norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)), add_bias_linear=attention_bias,
+                norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)), add_bias_linear=attention_bias, add_qkv_bias=qwen2,
                 position_embedding_type="rope", rotary_base=int(theta),
                 untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
                 seq_length=min(int(hf.get("max_position_embeddings", 2048)), 4096), vocab_size=hf["vocab_size"],

@@ -53,6 +53,23 @@ def llama(tmp_path_factory, tokenizer):
 
 
 @pytest.fixture(scope="module")
+def qwen2(tmp_path_factory, tokenizer):
+    """Qwen2's attention: biases in q, k and v alone (model.add_qkv_bias), tied embeddings."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True, use_sliding_window=False)
+    model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:  # biases far from zero, so that a misplaced one shows
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    return _save(model, tokenizer, tmp_path_factory.mktemp("qwen2") / "hf")
+
+
+@pytest.fixture(scope="module")
 def gpt2(tmp_path_factory, tokenizer):
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -69,7 +86,7 @@ def _import(hf, ck):
     return proc
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
 def test_imported_logits_equal_transformers(arch, request, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -89,7 +106,8 @@ def test_imported_logits_equal_transformers(arch, request, tmp_path):
         with load_local_model(CheckpointReader.open(str(tmp_path / "ck"))) as (model, cfg):
             ours = model(tokens, torch.arange(tokens.shape[1]).expand_as(tokens), None)
     assert cfg.model.untie_embeddings_and_output_weights == (arch == "llama")
-    assert cfg.model.num_query_groups == (2 if arch == "llama" else 4)
+    assert cfg.model.num_query_groups == (4 if arch == "gpt2" else 2)
+    assert cfg.model.add_qkv_bias == (arch == "qwen2")
     torch.testing.assert_close(ours[..., :VOCAB], theirs, rtol=1e-4, atol=1e-4)
 
 
