@@ -82,7 +82,8 @@ def data_prepare(
 
 
 def import_command(
-    hf: str = typer.Option(..., "--hf", help="local transformers model directory (LlamaForCausalLM, GPT2LMHeadModel)"),
+    hf: str = typer.Option(..., "--hf", help="local transformers model directory (LlamaForCausalLM, "
+                      "Qwen2ForCausalLM, GPT2LMHeadModel)"),
     save: str = typer.Option(..., "--save", help="new checkpoint directory to write"),
 ) -> None:
     """A Hugging Face transformers model as a checkpoint of iteration 0, to train with `train --load`."""

@@ -127,7 +127,7 @@ def implied_config(hf_dir: str) -> Tuple[str, dict]:
     hf = _hf_config(hf_dir)
     arch = hf["architectures"][0]
     model = _gpt2_model(hf, hf_dir) if arch == "GPT2LMHeadModel" else _llama_model(hf, hf_dir)
-    model.update(transformer_impl="local", make_vocab_size_divisible_by=vocab_divisor(model["vocab_size"]))
+    model["make_vocab_size_divisible_by"] = vocab_divisor(model["vocab_size"])
     raw = {"model": model}
     if any((Path(hf_dir) / f).is_file() for f in TOKENIZER_FILES):
         from angelgpt.data.tokenizer import load_tokenizer
@@ -246,8 +246,8 @@ def copy_weights(model, arch: str, hf_dir: str, m) -> int:
 
     for name, t in hf_tensors(hf_dir):
         key, how = target_of(name)
-        if not key:
-            continue
+        if not key or (key == "output_layer.weight" and not m.untie_embeddings_and_output_weights):
+            continue  # (a tied lm_head some directories store beside the embedding)
         t = t.float()
         if how == "T":
             t = t.t()
@@ -293,11 +293,11 @@ def import_hf(hf_dir: str, save: str) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     cfg_file.write_text(yaml.safe_dump(raw, sort_keys=False))
     try:
-        cfg = parse(None, str(cfg_file), ["train.device=cpu"])
+        cfg = parse(None, str(cfg_file), ["train.device=cpu", "model.transformer_impl=local"])
         with single_process():
             model = build_gpt(cfg, on_gpu=False, perform_initialization=False)
             copy_weights(model, arch, hf_dir, cfg.model)
-            save_model_only(save, model, to_dict(cfg))
+            save_model_only(save, model, to_dict(parse(None, str(cfg_file))))  # the config as implied
     except BaseException:
         cfg_file.unlink(missing_ok=True)
         if created:
