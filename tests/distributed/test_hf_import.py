@@ -134,7 +134,7 @@ def test_train_continues_an_imported_llama(llama, tmp_path):
         records = _train_imported(ck, data, tmp_path, *extra, nproc=nproc)
         assert [r["iteration"] for r in records] == [1, 2, 3]
         losses = [r["lm_loss"] for r in records]
-        assert losses[0] > 3 * torch.log(torch.tensor(float(VOCAB))).item(), losses
+        assert all(loss > 2 * torch.log(torch.tensor(float(VOCAB))).item() for loss in losses), losses
         assert losses[-1] < losses[0], losses
 
 
