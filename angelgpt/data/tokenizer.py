@@ -131,7 +131,8 @@ def load_tokenizer(spec: Optional[str]):
             return SentencePieceTokenizer(str(model_file))
         except Exception as exc:
             raise ConfigError(f"tokenizer {model_file} cannot be loaded: {str(exc).splitlines()[0]}") from None
-    if path.is_dir() and not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+    hf_files = ("tokenizer.json", "tokenizer_config.json", "vocab.json")  # a transformers tokenizer's
+    if path.is_dir() and not any((path / f).is_file() for f in hf_files):
         raise ConfigError(f"tokenizer directory {path} has no {MODEL_FILE} (nor a transformers tokenizer)")
     try:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
