@@ -19,7 +19,7 @@ from typing import List, Optional
 import typer
 
 from angelgpt.cli.launch import fail
-from angelgpt.cli.tools import data_app, presets_app, tokenizer_app
+from angelgpt.cli.tools import data_app, import_command, presets_app, tokenizer_app
 from angelgpt.cli.rehearse import as_command, refuse_without_gpu
 from angelgpt.config import ConfigError, parse
 from angelgpt.train import checkpoint_check  # (no torch: a --load is checked before torch is imported)
@@ -29,6 +29,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 app.add_typer(presets_app, name="presets")
 app.add_typer(tokenizer_app, name="tokenizer")
 app.add_typer(data_app, name="data")
+app.command("import")(import_command)
 
 
 # the options of the job that `train`, `rehearse` and `plan` share

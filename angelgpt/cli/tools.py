@@ -79,3 +79,20 @@ def data_prepare(
     from angelgpt.data.prepare import prepare
 
     print(prepare(input_spec, tokenizer, output, split, text_key, workers, append_eod).line())
+
+
+def import_command(
+    hf: str = typer.Option(..., "--hf", help="local transformers model directory (LlamaForCausalLM, "
+                      "Qwen2ForCausalLM, GPT2LMHeadModel)"),
+    save: str = typer.Option(..., "--save", help="new checkpoint directory to write"),
+) -> None:
+    """A Hugging Face transformers model as a checkpoint of iteration 0, to train with `train --load`."""
+    from angelgpt.export import quiet
+    from angelgpt.export.hf_import import import_hf
+
+    with quiet():
+        s = import_hf(hf, save)
+    print(yaml.safe_dump(s["config"], sort_keys=False).rstrip())
+    print(f"wrote {s['save']}: {s['architecture']}, {s['parameters']:,} parameters (fp32) at iteration 0, "
+          f"its config in {s['save']}/config.yaml")
+    print(f"train it: angelgpt train --config {s['save']}/config.yaml --load {s['save']} --save RUN_DIR")

@@ -95,6 +95,9 @@ class ModelConfig:
     """Epsilon of every norm (Megatron's layernorm_epsilon)."""
     add_bias_linear: bool = True
     """Biases in the attention's and the MLP's linear layers (GPT-2); False: none (Llama)."""
+    add_qkv_bias: bool = False
+    """With add_bias_linear false: biases in the attention's query, key and value projection alone
+    (linear_qkv; Qwen2's attention biases), Megatron's add_qkv_bias."""
     seq_length: int = 128
     """Training sequence length in tokens."""
     vocab_size: int = 50257

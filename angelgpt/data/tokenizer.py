@@ -120,7 +120,8 @@ class HFTokenizer:
 
 
 def load_tokenizer(spec: Optional[str]):
-    """A tokenizer directory (or .model file) of angelgpt's, else a HuggingFace name available offline."""
+    """A tokenizer directory (or .model file) of angelgpt's, else a transformers tokenizer directory or a
+    HuggingFace name available offline."""
     if not spec:
         raise ConfigError("data.tokenizer is not set: give a directory from `angelgpt tokenizer train`")
     path = Path(spec)
@@ -130,8 +131,9 @@ def load_tokenizer(spec: Optional[str]):
             return SentencePieceTokenizer(str(model_file))
         except Exception as exc:
             raise ConfigError(f"tokenizer {model_file} cannot be loaded: {str(exc).splitlines()[0]}") from None
-    if path.is_dir():
-        raise ConfigError(f"tokenizer directory {path} has no {MODEL_FILE}")
+    hf_files = ("tokenizer.json", "tokenizer_config.json", "vocab.json")  # a transformers tokenizer's
+    if path.is_dir() and not any((path / f).is_file() for f in hf_files):
+        raise ConfigError(f"tokenizer directory {path} has no {MODEL_FILE} (nor a transformers tokenizer)")
     try:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         return HFTokenizer(spec)

@@ -32,7 +32,7 @@ def fc1_width(cfg: Config) -> int:
 def params_per_layer(cfg: Config) -> int:
     h, q, kv, f = _dims(cfg)
     bias = cfg.model.add_bias_linear
-    attention = h * (q + 2 * kv) + q * h + bias * ((q + 2 * kv) + h)
+    attention = h * (q + 2 * kv) + q * h + (bias or cfg.model.add_qkv_bias) * (q + 2 * kv) + bias * h
     mlp = h * fc1_width(cfg) + f * h + bias * (fc1_width(cfg) + h)
     return 2 * norm_params(cfg) + attention + mlp
 

@@ -53,6 +53,7 @@ def transformer_config(cfg: Config, on_gpu: bool, perform_initialization: bool =
         normalization=m.normalization,
         layernorm_epsilon=m.norm_epsilon,
         add_bias_linear=m.add_bias_linear,
+        add_qkv_bias=m.add_qkv_bias,
         hidden_dropout=m.hidden_dropout,
         attention_dropout=m.attention_dropout,
         init_method_std=m.init_method_std,

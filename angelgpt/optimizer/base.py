@@ -49,6 +49,10 @@ class Optimizer(ABC):
     def load_state_dict(self, state: dict) -> None:
         """Takes what dist_checkpointing loaded for sharded_state_dict(..., is_loading=True)."""
 
+    def reload_model_params(self) -> None:
+        """After the model's weights were loaded without optimizer state: the optimizer's own copies of
+        them (main parameters) taken from the model; nothing to do where it updates the model's."""
+
     def checkpoint_metadata(self) -> dict:
         """What a checkpoint records about this optimizer's state beside Megatron's format choices (its
         content metadata; given back to sharded_state_dict as `metadata` when loading)."""

@@ -71,6 +71,9 @@ class MegatronDistributedOptimizer(Optimizer):
         metadata.setdefault("chained_optim_avoid_prefix", True)
         return self.inner.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading, metadata=metadata)
 
+    def reload_model_params(self) -> None:
+        self.inner.reload_model_params()
+
     def load_state_dict(self, state: dict) -> None:
         distributed = _distributed_optimizers(self.inner)
         model_space = [_take_model_space_state(s) for s in _per_optimizer(state, len(distributed))]

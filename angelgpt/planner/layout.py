@@ -64,10 +64,12 @@ def rank_params(cfg: Config, pp_rank: int = 0) -> List[Param]:
 
 def _built(cfg: Config, name: str) -> bool:
     """Whether the model has this parameter: norms' biases only with LayerNorm, linears' only with
-    add_bias_linear."""
+    add_bias_linear (linear_qkv's with add_qkv_bias too)."""
     if not name.endswith(".bias"):
         return True
-    return cfg.model.normalization == "LayerNorm" if "layernorm" in name else cfg.model.add_bias_linear
+    if "layernorm" in name:
+        return cfg.model.normalization == "LayerNorm"
+    return cfg.model.add_bias_linear or ("linear_qkv" in name and cfg.model.add_qkv_bias)
 
 
 def chunk_numels(params: List[Param], dp_size: int, dp_rank: int) -> List[Tuple[int, int]]:

@@ -301,6 +301,46 @@ class Saver:
         return merged
 
 
+MODEL_ONLY = "model_only"  # content metadata of a checkpoint that holds the model's weights alone
+
+
+def save_model_only(root: str, model, config: dict) -> None:
+    """Iteration 0 with the model's sharded state alone (no optimizer, schedule, RNG): `angelgpt import`'s."""
+    tmp = _iter_dir(Path(root), 0).with_name("iter_0000000.tmp")
+    tmp.mkdir(parents=True)
+    try:
+        state = {"model": _module(model).sharded_state_dict(), "iteration": 0, "consumed_samples": 0}
+        strategy = PlanningStrategy()
+        dist_checkpointing.save(state, str(tmp), sharded_strategy=strategy, content_metadata={MODEL_ONLY: True})
+        strategy.job.write()
+        _write_manifest(tmp, 0, config, strategy.job.finish())
+        manifest = json.loads((tmp / MANIFEST).read_text())
+        (tmp / MANIFEST).write_text(json.dumps({**manifest, MODEL_ONLY: True}, indent=1))
+        os.replace(tmp, _iter_dir(Path(root), 0))
+        (Path(root) / TRACKER).write_text("0\n")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _on_cpu(sharded):  # the model's sharded state with host tensors to load into, whatever its weights' tier
+    if isinstance(sharded, dict):
+        return {k: _on_cpu(v) for k, v in sharded.items()}
+    if isinstance(sharded, (ShardedTensor, ShardedTensorFactory)):
+        return replace(sharded, data=torch.empty(sharded.data.shape, dtype=sharded.data.dtype))
+    return sharded
+
+
+def _load_model_only(path: Path, model, optimizer) -> Tuple[int, int]:
+    """A model-only checkpoint's weights into the model and the optimizer's main parameters; its states
+    and the schedule start fresh (Megatron's --finetune)."""
+    with optimizer.materialized():
+        state = dist_checkpointing.load({"model": _on_cpu(_module(model).sharded_state_dict())}, str(path))
+        _module(model).load_state_dict(state["model"])
+    optimizer.reload_model_params()
+    log.info(f"loaded the model-only checkpoint {path}: optimizer and learning-rate schedule start fresh")
+    return 0, 0
+
+
 def _saved_layout(path: Path) -> Optional[Tuple[int, int]]:
     """(PP, TP) of the run that saved the checkpoint, from its manifest's config (None if unreadable).
     Megatron reshards the model's and the optimizer's ShardedTensors to this run's layout."""
@@ -309,12 +349,6 @@ def _saved_layout(path: Path) -> Optional[Tuple[int, int]]:
         return int(par["pipeline_model_parallel_size"]), int(par["tensor_model_parallel_size"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
-
-
-def _is_megatrons(optimizer) -> bool:
-    from angelgpt.optimizer.megatron import MegatronDistributedOptimizer
-
-    return isinstance(optimizer, MegatronDistributedOptimizer)
 
 
 def load(root: str, model, optimizer, scheduler) -> Tuple[int, int]:
@@ -327,11 +361,15 @@ def load(root: str, model, optimizer, scheduler) -> Tuple[int, int]:
     if problem[0]:
         raise ConfigError(f"checkpoint.load: {problem[0]}")
     saved_layout, metadata = problem[1], problem[2]
+    if (metadata or {}).get(MODEL_ONLY):
+        return _load_model_only(path, model, optimizer)
     here = (parallel_state.get_pipeline_model_parallel_world_size(),
             parallel_state.get_tensor_model_parallel_world_size())
     resharding = saved_layout is not None and tuple(saved_layout) != here
     sharding = (metadata or {}).get("distrib_optim_sharding_type")
-    if resharding and sharding == "dp_reshardable" and _is_megatrons(optimizer):
+    from angelgpt.optimizer.megatron import MegatronDistributedOptimizer
+
+    if resharding and sharding == "dp_reshardable" and isinstance(optimizer, MegatronDistributedOptimizer):
         raise ConfigError(f"checkpoint.load: {path} holds Megatron's distributed-optimizer state in the "
                           f"dp_reshardable format (the default), which "
                           f"resumes at another data-parallel size only; it was saved at PP x TP = "

@@ -154,4 +154,7 @@ def check_resume(config: dict) -> Optional[int]:
         hint = "" if what == "checkpoint.load" else " (a run resumes from the checkpoint in its checkpoint.save: " \
                                                     "save elsewhere to train another model)"
         raise ConfigError(f"{what} {root} holds another model: {problem}{hint}")
+    if data.get("model_only") and config.get("optim", {}).get("optimizer") == "zero_cache":
+        raise ConfigError(f"{what} {root} holds a model without optimizer state (angelgpt import), which "
+                          f"optim.optimizer=zero_cache does not start from; train it with megatron (GPU) or on CPU")
     return int(data["iteration"])

@@ -17,6 +17,7 @@ OPTIONS = {
     "rmsnorm": ["model.normalization=RMSNorm", "model.norm_epsilon=1e-6"],
     "swiglu": ["model.swiglu=true"],
     "no-bias": ["model.add_bias_linear=false"],
+    "qkv-bias": ["model.add_bias_linear=false", "model.add_qkv_bias=true"],
     "rope": ["model.position_embedding_type=rope", "model.rotary_base=500000", "model.rotary_percent=0.5"],
     "gqa": ["model.num_query_groups=2"],
     "untied": ["model.untie_embeddings_and_output_weights=true"],
