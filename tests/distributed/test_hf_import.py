@@ -171,11 +171,13 @@ def test_bad_input_one_line_exit_2_nothing_written(llama, gpt2, tmp_path):
     assert sorted(p.name for p in done.rglob("*")) == before
 
 
-def test_imported_checkpoint_refused_by_zero_cache_before_launch(llama, tmp_path):
+@pytest.mark.parametrize("optimizer", ["zero_cache", "megatron_cpu_offload"])
+def test_imported_checkpoint_refused_by_optimizers_with_their_own_masters_before_launch(llama, tmp_path, optimizer):
     _import(llama, tmp_path / "ck")
-    proc = run_cli("train", "--config", tmp_path / "ck" / "config.yaml", "--load", tmp_path / "ck", "--device",
-                   "cpu", "optim.optimizer=zero_cache", "--dry-run")
-    check_one_line_error(proc, "without optimizer state")
+    device = ["--device", "cpu"] if optimizer == "zero_cache" else ["--machine", "h200"]  # a GPU job's dry run
+    proc = run_cli("train", "--config", tmp_path / "ck" / "config.yaml", "--load", tmp_path / "ck", *device,
+                   f"optim.optimizer={optimizer}", "--dry-run")
+    check_one_line_error(proc, f"without optimizer state (angelgpt import), which optim.optimizer={optimizer} does not")
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
