@@ -19,6 +19,11 @@ micro batch and recompute (`model.recompute=none` keeps activations where GPU me
 case's file name says so). A case is SYSTEM:LAYERS[:micro_batch[:global_batch[:overrides]]], the
 overrides comma-separated KEY=VALUE pairs for that case alone (for example
 `megatron_cpu_offload:13:2:32:optim.offload_fraction=0.7`).
+
+`--family llama` runs the Llama family instead: the `llama3-8b` preset's layer shape (hidden 4096, 32
+query heads sharing 8 key/value heads, SwiGLU 14336, RMSNorm, RoPE, untied output over 128256 tokens)
+at sequence 4096 with a varying number of layers (32 is Llama-3-8B itself); its files are named
+llama-SYSTEM-Llayers-... and BENCHMARKS.md reports them in a table of their own.
 """
 
 from __future__ import annotations
@@ -55,11 +60,16 @@ CASE_KEYS = {"model.recompute": "recompute", "model.num_attention_heads": "heads
              "optim.exp_avg_sq_dtype": "expavgsq", "optim.accumulate_grads_in_fp32": "fp32sums"}
 
 
-def case_name(system: str, layers: int, mb: int, gb: int, case_extra) -> str:
+# family: (the preset, what every case of the family overrides, the result files' name prefix)
+FAMILIES = {"gpt": ("h200-16b", [], "peers"),
+            "llama": ("llama3-8b", ["model.seq_length=4096"], "llama")}
+
+
+def case_name(system: str, layers: int, mb: int, gb: int, case_extra, prefix: str = "peers") -> str:
     """peers-SYSTEM-Llayers-mbM-gbG, then -recomputeX, -rateX, ... for what the case's overrides changed:
     the preset recomputes every layer, and the planner places the states and splits the host update,
     so another choice is another case."""
-    name = f"peers-{system}-L{layers}-mb{mb}-gb{gb}"
+    name = f"{prefix}-{system}-L{layers}-mb{mb}-gb{gb}"
     for key, label in CASE_KEYS.items():
         values = [kv.split("=", 1)[1] for kv in case_extra if kv.startswith(key + "=")]
         if values:
@@ -71,9 +81,10 @@ def run(args) -> int:
     os.environ["ANGELGPT_BENCH_CALL"] = call_id()  # one call for every case below, whoever set it
     print(f"device call: {os.environ['ANGELGPT_BENCH_CALL']}", flush=True)
     failed = 0
+    size, family_extra, prefix = FAMILIES[args.family]
     for text in args.cases:
         system, layers, mb, gb, case_extra = parse_case(text)
-        name = case_name(system, layers, mb, gb, case_extra)
+        name = case_name(system, layers, mb, gb, case_extra, prefix)
         if (RESULTS / f"{name}.json").exists() and not args.force:
             print(f"{name}: result exists, skipped", flush=True)
             continue
@@ -82,12 +93,12 @@ def run(args) -> int:
             print(f"{name}: DeepSpeed is not installed here (pip install angelgpt[bench]); not run", flush=True)
             continue
         cmd = [sys.executable, "-m", "benchmarks.train", "--runner", runner, "--name", name,
-               "--size", "h200-16b",
+               "--size", size,
                "--iters", str(args.iters), "--warmup", str(args.warmup), "--out", str(RESULTS),
                "--root", str(Path(args.root).resolve()),
                "--",
                f"model.num_layers={layers}", f"train.micro_batch_size={mb}", f"train.global_batch_size={gb}",
-               "optim.lr_warmup_iters=1", *SYSTEMS[system], *case_extra, *args.extra]
+               "optim.lr_warmup_iters=1", *family_extra, *SYSTEMS[system], *case_extra, *args.extra]
         print("case:", " ".join(cmd[3:]), flush=True)
         failed += subprocess.call(cmd, cwd=ROOT) != 0
     return 0 if not failed else 1
@@ -100,6 +111,8 @@ def main(argv=None) -> int:
     r.add_argument("cases", nargs="+")
     r.add_argument("--iters", type=int, default=8)
     r.add_argument("--warmup", type=int, default=3)
+    r.add_argument("--family", choices=sorted(FAMILIES), default="gpt",
+                   help="the layer shape the cases vary the depth of (the module's docstring)")
     r.add_argument("--force", action="store_true", help="run again even when the result file exists")
     r.add_argument("--extra", nargs="*", default=[], help="more KEY=VALUE overrides for every case")
     r.add_argument("--root", default=str(ROOT),

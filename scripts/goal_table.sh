@@ -10,6 +10,17 @@
 #   d19  (d) at its largest size at global batch 32: 19 layers, micro batch 2, model.recompute=auto
 #   d8   (d) at 8 layers, model.recompute=auto, a8's micro batch: only when (a) completed 8 layers (the
 #        speed ratio at (a)'s largest size needs both)
+# FAMILY=llama measures the Llama family instead (benchmarks/peers.py --family llama: the llama3-8b
+# preset's layer at sequence 4096, global batch 32, micro batch 1, model.recompute=auto):
+#   m32  megatron at 32 layers, Llama-3-8B itself (the planner expects it short of GPU memory: a refusal
+#        is its result)
+#   m24  megatron at its largest size by the planner: 24 layers
+#   z24  zero_cache, the same (the speed ratio at Megatron's largest)
+#   z32  zero_cache at Llama-3-8B, exact states
+#   z44  zero_cache at its largest size by the planner with exact states: 44 layers (48 fits by 0.3 GiB
+#        of host memory)
+# Estimates at 5 iterations from the planner's step times and 60-90 s of start: m32 20, m24 110, z24 120,
+# z32 140, z44 190: 580 s, so run it with BUDGET_S=590 and the call's limit at 600.
 # From the repository root on the device machine:
 #   source scripts/device_wheels.sh && bash scripts/goal_table.sh [TREE]
 # TREE: a `git archive` of the commit to measure, its sha in TREE/.commit (the working tree may hold
@@ -40,7 +51,7 @@ fi
 export PYTHONPATH=$tree${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 export ANGELGPT_BENCH_CALL=${ANGELGPT_BENCH_CALL:-goal-$(date -u +%Y%m%dT%H%M%SZ)-$(cut -c1-8 /proc/sys/kernel/random/boot_id)}
 results=${ANGELGPT_BENCH_OUT:-$PWD/benchmarks/results}
-iters=${ITERS:-4} warmup=${WARMUP:-2} budget=${BUDGET_S:-560}
+iters=${ITERS:-4} warmup=${WARMUP:-2} budget=${BUDGET_S:-560} family=${FAMILY:-gpt}
 elapsed0=$(ps -o etimes= -p "$PPID" 2>/dev/null | tr -d ' ')
 start=$((SECONDS - ${elapsed0:-0}))
 log=$(mktemp -d)/goal_table.log
@@ -50,7 +61,7 @@ echo "goal_table.sh: commit $commit, device call $ANGELGPT_BENCH_CALL, $iters it
   "budget $budget s, $((SECONDS - start)) s gone" | tee "$log"
 
 collect() {  # this call's result files and the log into $OUT
-  echo "states: $(for k in a7 d7 b11 d11 a8 a8m1 d19 d8; do printf '%s=%s ' "$k" "${state[$k]:-not run}"; done)" \
+  echo "states: $(for k in "${!state[@]}"; do printf '%s=%s ' "$k" "${state[$k]:-not run}"; done)" \
     "in $((SECONDS - start)) s" | tee -a "$log"
   [ -n "${OUT:-}" ] || return 0
   python3 - "$results" "$ANGELGPT_BENCH_CALL" "$OUT" <<'EOF'
@@ -103,7 +114,7 @@ case_() {
   echo "== $key: $spec (about $est s; $left s left)" | tee -a "$log"
   local t0=$SECONDS caselog name
   caselog=$(mktemp)
-  timeout -k 10 $((left - 5)) python3 scripts/bench_peers.py run "$spec" --force --iters "$iters" \
+  timeout -k 10 $((left - 5)) python3 scripts/bench_peers.py run "$spec" --family "$family" --force --iters "$iters" \
     --warmup "$warmup" --root "$tree" --extra zero_cache.is_communication_time_profiling=true > "$caselog" 2>&1
   local rc=$?
   cat "$caselog" >> "$log"
@@ -114,6 +125,15 @@ case_() {
   if [ "${state[$key]}" = broken ]; then broken=$key; fi
 }
 
+if [ "$family" = llama ]; then
+  case_ m32 20 0 "megatron:32:1:32:model.recompute=auto"
+  case_ m24 110 0 "megatron:24:1:32:model.recompute=auto"
+  case_ z24 120 0 "zero_cache:24:1:32:model.recompute=auto" m24
+  case_ z32 140 0 "zero_cache:32:1:32:model.recompute=auto"
+  case_ z44 190 0 "zero_cache:44:1:32:model.recompute=auto"
+  [ -z "$broken" ]
+  exit
+fi
 case_ a7 55 0 "megatron:7:2:32:model.recompute=none"
 case_ d7 50 0 "zero_cache:7:2:32:model.recompute=none" a7
 case_ b11 112 0 "megatron_cpu_offload:11:1:32:optim.offload_fraction=0.5,model.recompute=none"
