@@ -72,7 +72,10 @@ class MegatronDistributedOptimizer(Optimizer):
         return self.inner.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading, metadata=metadata)
 
     def reload_model_params(self) -> None:
-        self.inner.reload_model_params()
+        self.inner.reload_model_params()  # the model's weights into Megatron's fp32 main params
+        if self.offloaded:  # and those into the HybridDeviceOptimizers' host copies, which its step updates
+            for hybrid in _torch_optimizers(self.inner):
+                _refresh_host_copies(hybrid)
 
     def load_state_dict(self, state: dict) -> None:
         distributed = _distributed_optimizers(self.inner)
@@ -113,9 +116,16 @@ def _settle_hybrid(hybrid) -> None:
             for key, value in list(param_state.items()):
                 if torch.is_tensor(value):
                     param_state[key] = value.to(param.device)
+    _refresh_host_copies(hybrid)
+
+
+def _refresh_host_copies(hybrid) -> None:
+    """A HybridDeviceOptimizer's host copies of its offloaded main params equal to those params (its step
+    updates the copies and writes them back: a stale copy would put its values back)."""
     for main_param, host_copy in hybrid.gpu_params_map_cpu_copy.items():
         host_copy.data.copy_(main_param.data)
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def _distributed_optimizers(megatron_optimizer):

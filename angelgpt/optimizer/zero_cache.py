@@ -120,6 +120,9 @@ class ZeroCacheOptimizer(Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         self.checkpoint.load_state_dict(state_dict)
 
+    def reload_model_params(self) -> None:
+        self.checkpoint.load_model_weights()
+
     def materialized(self):
         """Offloaded weights readable as ordinary tensors (host memory), for checkpoint save and load."""
         return self.weights.materialized()

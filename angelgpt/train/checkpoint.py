@@ -336,7 +336,7 @@ def _load_model_only(path: Path, model, optimizer) -> Tuple[int, int]:
     with optimizer.materialized():
         state = dist_checkpointing.load({"model": _on_cpu(_module(model).sharded_state_dict())}, str(path))
         _module(model).load_state_dict(state["model"])
-    optimizer.reload_model_params()
+        optimizer.reload_model_params()  # while offloaded weights are readable tensors
     log.info(f"loaded the model-only checkpoint {path}: optimizer and learning-rate schedule start fresh")
     return 0, 0
 

@@ -154,10 +154,4 @@ def check_resume(config: dict) -> Optional[int]:
         hint = "" if what == "checkpoint.load" else " (a run resumes from the checkpoint in its checkpoint.save: " \
                                                     "save elsewhere to train another model)"
         raise ConfigError(f"{what} {root} holds another model: {problem}{hint}")
-    optimizer = config.get("optim", {}).get("optimizer")
-    if data.get("model_only") and optimizer in ("zero_cache", "megatron_cpu_offload"):
-        # their optimizers keep master weights that a model-only load does not refill (on the GPU,
-        # megatron_cpu_offload's first step put back a fresh model's weights)
-        raise ConfigError(f"{what} {root} holds a model without optimizer state (angelgpt import), which "
-                          f"optim.optimizer={optimizer} does not start from; train it with megatron (GPU) or on CPU")
     return int(data["iteration"])

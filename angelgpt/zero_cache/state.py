@@ -153,6 +153,26 @@ class CheckpointState:
                 if not self.partitioned[gi]:
                     self.weights.all_gather(gi)
 
+    def load_model_weights(self) -> None:
+        """After the model's weights alone were loaded (an imported checkpoint), inside the weights part's
+        materialized(): every owned master equal to its weight (its remainder zero), as a new store's
+        master starts as the model's initial weights; the moments and steps stay as allocated."""
+        self.update.wait_all()
+        for c in self.chunks:
+            master = self._chunk_states(c, writable=True)[0]
+            if self.format.remainders:  # the masters' high half are the weights
+                for p, view in c.views(c.hi):
+                    if p.data.data_ptr() != view.data_ptr():
+                        view.copy_(p.data.reshape(view.shape))
+                master.zero_()
+                continue
+            for p, view in c.views(master):
+                view.copy_(p.data.reshape(view.shape))
+            if c.weights is not None:  # an offloaded layer's copy, which the next fetch reads
+                for p, view in c.views(c.weights):
+                    if p.data.data_ptr() != view.data_ptr():
+                        view.copy_(p.data.reshape(view.shape))
+
     @staticmethod
     def _weights(c: Chunk) -> torch.Tensor:
         """The chunk's owned params' weights as loaded into the model, flat on the host, in bf16 (an fp32

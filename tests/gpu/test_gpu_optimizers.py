@@ -1,6 +1,7 @@
 """Every optimizer on a GPU, as a user runs it: train, save (synchronously or in the background), resume
 equal to the uninterrupted run, export to transformers (its logits equal angelgpt's forward), generate
-and eval. Skipped without CUDA."""
+and eval; the GPT-2-style `tiny` preset, and the Llama-style `llama-tiny` (exported as LlamaForCausalLM)
+with each optimizer. Skipped without CUDA."""
 
 import json
 
@@ -37,13 +38,21 @@ CASES = {
     "zero_cache-fp8-states": [ZC, "optim.store_param_remainders=true", "optim.exp_avg_dtype=fp8",
                               "optim.exp_avg_sq_dtype=fp8", "zero_cache.prefetch_cache_sub_group_rate=0.3",
                               "zero_cache.device_update_fraction=0.5"],
+    # llama-tiny: RMSNorm, SwiGLU, RoPE, grouped-query attention, untied output, no biases
+    "llama-megatron": ["--size", "llama-tiny", "optim.optimizer=megatron"],
+    "llama-megatron_cpu_offload-half": ["--size", "llama-tiny", "optim.optimizer=megatron_cpu_offload",
+                                        "optim.offload_fraction=0.5"],
+    "llama-zero_cache-rate0.5-offloaded-in-store": ["--size", "llama-tiny", ZC, "zero_cache.prefetch_cache_sub_group_rate=0.5",
+                                                    "zero_cache.offload_params=true", "zero_cache.accumulate_in_store=true",
+                                                    "optim.store_param_remainders=true", "train.micro_batch_size=2"],
 }
 
 
 def _train(tmp_path, name, *overrides):
     metrics = tmp_path / f"{name}.jsonl"
+    size = ["--size", "tiny"] if "--size" not in overrides else []
     # --force: the planner refuses the tiny host budget that sends ZeRO-Cache's states to NVMe
-    proc = run_cli("train", "--size", "tiny", "--device", "cuda", "--force", "--metrics-file", metrics,
+    proc = run_cli("train", *size, "--device", "cuda", "--force", "--metrics-file", metrics,
                    "logging.log_interval=1", f"train.train_iters={ITERS}", f"train.eval_interval={ITERS}",
                    *overrides)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -78,7 +87,7 @@ def test_optimizer_saves_resumes_and_exports_on_gpu(case, tmp_path):
     """Trained 12 iterations saving at 6 and 12; resumed from the checkpoint of iteration 6, iterations
     7-12 give the uninterrupted run's losses; the final checkpoint exports, transformers' logits equal
     angelgpt's forward of it, and generate and eval run on it."""
-    from transformers import GPT2LMHeadModel
+    from transformers import AutoModelForCausalLM, GPT2LMHeadModel, LlamaForCausalLM
 
     extra = list(CASES[case])
     if any(w.startswith("zero_cache.host_max_gib=") for w in extra):  # a host budget that leaves NVMe chunks
@@ -108,7 +117,8 @@ def test_optimizer_saves_resumes_and_exports_on_gpu(case, tmp_path):
     out = tmp_path / "hf"
     proc = run_cli_in_process("export", "--load", ck, "--output", out)
     assert proc.returncode == 0, proc.stderr
-    model = GPT2LMHeadModel.from_pretrained(out).eval()  # the export's bf16 weights
+    model = AutoModelForCausalLM.from_pretrained(out).eval()  # the export's bf16 weights
+    assert isinstance(model, LlamaForCausalLM if case.startswith("llama") else GPT2LMHeadModel), type(model)
     tokens = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         theirs = model(tokens).logits
