@@ -461,8 +461,7 @@ class CheckpointConfig:
     in Megatron): Megatron's dp_reshardable, each rank writing its own shard without communication or a
     gathered copy; that checkpoint resumes at another data-parallel size only (a resume at another TP
     or PP is refused in one line naming this option). A checkpoint records its format: a load follows
-    it, whatever this says. Not with megatron_cpu_offload (refused: its fully_reshardable checkpoint does
-    not load back). Other optimizers' checkpoints reshard at any layout regardless."""
+    it, whatever this says. Other optimizers' checkpoints reshard at any layout regardless."""
     stop_grace_s: float = 900.0
     """Seconds a stop request (SIGTERM, SIGINT or SIGUSR1 to the launcher, its workers or both) gives
     the save it starts: the same request arriving again within this time (a scheduler signalling every
@@ -587,11 +586,6 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def __post_init__(self):
-        _require(not (self.checkpoint.dist_ckpt_optim_fully_reshardable and self.optim.optimizer == "megatron_cpu_offload"),
-                 "checkpoint.dist_ckpt_optim_fully_reshardable is not supported with optim.optimizer "
-                 "'megatron_cpu_offload' (its checkpoint does not load back: the offloading optimizer's saved "
-                 "common state holds torch's AdamW class, which a weights-only load refuses); its dp_reshardable "
-                 "checkpoints resume at another data-parallel size, or use optim.optimizer=megatron or zero_cache")
         tp = self.parallel.tensor_model_parallel_size
         _require(self.model.num_attention_heads % tp == 0,
                  f"parallel.tensor_model_parallel_size ({tp}) must divide model.num_attention_heads "

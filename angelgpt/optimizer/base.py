@@ -53,6 +53,11 @@ class Optimizer(ABC):
         """After the model's weights were loaded without optimizer state: the optimizer's own copies of
         them (main parameters) taken from the model; nothing to do where it updates the model's."""
 
+    def checkpoint_safe_globals(self) -> list:
+        """Classes this optimizer's saved common state holds, which torch's weights-only load (the
+        default of torch.load, which Megatron's dist_checkpointing calls) is allowed to rebuild."""
+        return []
+
     def checkpoint_metadata(self) -> dict:
         """What a checkpoint records about this optimizer's state beside Megatron's format choices (its
         content metadata; given back to sharded_state_dict as `metadata` when loading)."""

@@ -71,6 +71,16 @@ class MegatronDistributedOptimizer(Optimizer):
         metadata.setdefault("chained_optim_avoid_prefix", True)
         return self.inner.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading, metadata=metadata)
 
+    def checkpoint_safe_globals(self) -> list:
+        """A HybridDeviceOptimizer's param groups hold its CPU and GPU optimizer classes (torch's AdamW),
+        saved in the common state by the fully_reshardable format."""
+        if not self.offloaded:
+            return []
+        classes = {value for hybrid in _torch_optimizers(self.inner)
+                   for group in (hybrid.defaults, *hybrid.param_groups) for value in group.values()
+                   if isinstance(value, type)}
+        return sorted(classes, key=lambda c: f"{c.__module__}.{c.__qualname__}")
+
     def reload_model_params(self) -> None:
         self.inner.reload_model_params()  # the model's weights into Megatron's fp32 main params
         if self.offloaded:  # and those into the HybridDeviceOptimizers' host copies, which its step updates

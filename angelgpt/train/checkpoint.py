@@ -376,7 +376,7 @@ def load(root: str, model, optimizer, scheduler) -> Tuple[int, int]:
                           f"{saved_layout[0]} x {saved_layout[1]}, this run is {here[0]} x {here[1]}; resume at "
                           f"the saved PP and TP (checkpoints saved with "
                           f"checkpoint.dist_ckpt_optim_fully_reshardable=true resume at any layout)")
-    with optimizer.materialized():
+    with optimizer.materialized(), torch.serialization.safe_globals(optimizer.checkpoint_safe_globals()):
         request = _state(model, optimizer, scheduler, 0, 0, loading=True, saved_layout=saved_layout,
                          metadata=metadata)
         # another (PP, TP) layout: ranks read RNG objects some of which none of them covers, which the

@@ -62,9 +62,9 @@ def test_every_optimizer_and_build_starts_from_the_same_model(tmp_path):
 DP_RESHARDABLE = "checkpoint.dist_ckpt_optim_fully_reshardable=false"
 FULLY = "checkpoint.dist_ckpt_optim_fully_reshardable=true"
 RESHARDS = {
-    # Megatron's distributed optimizer saved fully_reshardable: TP, PP and DP changed (the resuming run's
-    # own choice of format left at the default: a load follows the checkpoint)
-    **{f"{name}-{case}": (name, n_save, [FULLY, *save], n_load, load) for name in ("megatron",)
+    # Megatron's distributed optimizer and its CPU offload saved fully_reshardable: TP, PP and DP changed
+    # (the resuming run's own choice of format left at the default: a load follows the checkpoint)
+    **{f"{name}-{case}": (name, n_save, [FULLY, *save], n_load, load) for name in ("megatron", "megatron_cpu_offload")
        for case, (n_save, save, n_load, load) in {
         "tp2-to-tp1": (2, [TP2], 1, []), "pp2-to-dp2": (2, [PP2], 2, []), "dp2-to-tp2": (2, [], 2, [TP2]),
     }.items()},

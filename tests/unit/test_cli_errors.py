@@ -30,9 +30,6 @@ CASES = {
                                       "train.exit_duration_mins must be > 0"),
     "wall-clock limit not a number": (["train", "--size", "tiny", "train.exit_duration_mins=soon"],
                                       "train.exit_duration_mins"),
-    "fully_reshardable with megatron_cpu_offload": (["train", "--size", "tiny", "optim.optimizer=megatron_cpu_offload",
-                                                     "checkpoint.dist_ckpt_optim_fully_reshardable=true"],
-                                                    "is not supported with optim.optimizer 'megatron_cpu_offload'"),
     "missing data": (["train", "--size", "tiny", "--device", "cpu", "data.paths=/nonexistent/ds"],
                      "/nonexistent/ds.bin not found"),
 }
