@@ -81,7 +81,7 @@ def settings(r: dict) -> str:
 
 
 def row(f: Path, r: dict) -> dict:
-    system, rest = r["name"][len("peers-"):].rsplit("-L", 1)
+    system, rest = r["name"].split("-", 1)[1].rsplit("-L", 1)  # FAMILY-SYSTEM-Llayers-mbM-gbG[-...]
     records = r.get("records", [])
     profiles = [x["zero_cache_profile"] for x in records[r.get("warmup_iters", 0):] if x.get("zero_cache_profile")]
     mb, gb = (int(x[2:]) for x in rest.split("-")[1:3])
@@ -259,6 +259,8 @@ def generate(results: Path):
     from angelgpt.config import parse
     from angelgpt.model.flops import num_params
 
+    from benchmarks.llama_report import llama_family
+
     cases = runs_by_case(results)
     peers = {c: runs for c, runs in cases.items() if c.startswith("peers-")}
     rows, earlier, counted = [], [], []
@@ -270,14 +272,14 @@ def generate(results: Path):
         counted.append(next((r for r in reversed(runs) if r["ok"]), runs[-1]))
     for r in rows + [e for e, _ in earlier]:  # the case's own shape where it changed more than the layers
         r["params"] = num_params(parse("h200-16b", overrides=[*r["shape"], f"model.num_layers={r['layers']}"]))
-    text, best = _text(rows, earlier, counted, cases)
+    text, best = _text(rows, earlier, counted, cases, llama_family(cases))
     at = {(r["system"], r["layers"]): max((x["tflops"] for x in counted if x["system"] == r["system"] and current(x)
                                             and x["layers"] == r["layers"] and x["ok"] and x["tflops"]), default=0)
           for r in counted}
     return text, (best, at, counted)
 
 
-def _text(rows, earlier, counted, cases):
+def _text(rows, earlier, counted, cases, llama):
     """BENCHMARKS.md's text and each system's largest at the peers' global batch: the tables of `rows` (each
     case's newest run) and `earlier`, the sizes and goals of `counted` (each case's newest complete run;
     a goal's ratio pairs its runs among every run)."""
@@ -296,7 +298,7 @@ def _text(rows, earlier, counted, cases):
                   largest=largest(counted, best, best_any, opt_out),
                   goals=goals(best, best_any, opt_out, every),
                   profiled=sorted((r for r in rows if r["profile"]), key=lambda r: (r["layers"], r["gb"])),
-                  f=Figures(cases), label=LABEL, systems=SYSTEMS)
+                  f=Figures(cases), label=LABEL, systems=SYSTEMS, llama=llama)
     return text, best
 
 
