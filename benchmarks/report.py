@@ -259,8 +259,6 @@ def generate(results: Path):
     from angelgpt.config import parse
     from angelgpt.model.flops import num_params
 
-    from benchmarks.llama_report import llama_family
-
     cases = runs_by_case(results)
     peers = {c: runs for c, runs in cases.items() if c.startswith("peers-")}
     rows, earlier, counted = [], [], []
@@ -277,6 +275,39 @@ def generate(results: Path):
                                             and x["layers"] == r["layers"] and x["ok"] and x["tflops"]), default=0)
           for r in counted}
     return text, (best, at, counted)
+
+
+LLAMA_SYSTEMS = ("megatron", "zero_cache")
+LLAMA_PRESET, LLAMA_SHAPE, LLAMA_3_8B = "llama3-8b", ["model.seq_length=4096"], 32
+
+
+def llama_family(cases) -> dict:
+    """The Llama family's part (benchmarks/peers.py --family llama, llama-SYSTEM-L... files): {rows, largest,
+    goals, eight_b}: each case's newest run, each system's largest size that completed 3 measured steps,
+    whether each trains Llama-3-8B (32 layers), ZeRO-Cache's speed at Megatron's largest against Megatron's
+    (goal 1.0x) and at its own largest against Megatron's at its largest (goal 0.75x)."""
+    from angelgpt.config import parse
+    from angelgpt.model.flops import num_params
+
+    rows = []
+    for case in sorted(c for c in cases if c.startswith("llama-")):
+        r = row(*cases[case][-1])
+        r["params"] = num_params(parse(LLAMA_PRESET, overrides=[*LLAMA_SHAPE, f"model.num_layers={r['layers']}"]))
+        r["measured"] = max(0, r["steps"] - int(r["raw"].get("warmup_iters") or 0))
+        r["ok"] = r["ok"] and r["measured"] >= 3
+        rows.append(r)
+    done = {s: [r for r in rows if r["system"] == s and r["ok"] and r["tflops"]] for s in LLAMA_SYSTEMS}
+    largest = {s: max(done[s], key=lambda r: r["layers"]) for s in LLAMA_SYSTEMS if done[s]}
+    goals = []
+    a, d = largest.get("megatron"), largest.get("zero_cache")
+    for kind, target, xs in (("speed_at_megatrons_largest", 1.0,
+                              [r for r in done["zero_cache"] if a and r["layers"] == a["layers"]]),
+                             ("speed_at_own_largest", 0.75, [d] if d else [])):
+        x, y = pick(xs, [a], lambda r: r["tflops"]) if xs and a else (None, None)
+        goals.append(goal(kind, target, x, y, a=a, d=d))
+    eight_b = {s: next((r for r in rows if r["system"] == s and r["layers"] == LLAMA_3_8B), None) for s in LLAMA_SYSTEMS}
+    return dict(rows=sorted(rows, key=lambda r: (r["system"], r["layers"])), largest=largest, goals=goals,
+                eight_b=eight_b)
 
 
 def _text(rows, earlier, counted, cases, llama):
