@@ -287,9 +287,9 @@ class OptimConfig:
         compact = [k for k, v in (("store_param_remainders", self.store_param_remainders is True),
                                   ("exp_avg_dtype", self.exp_avg_dtype != "fp32"),
                                   ("exp_avg_sq_dtype", self.exp_avg_sq_dtype != "fp32")) if v]
+        honouring = " or ".join(repr(n) for n in optimizers.names() if optimizers.get(n).supports_compact_states)
         _require(not compact or spec.supports_compact_states,
-                 f"optim.{compact[0] if compact else ''} is honoured by optim.optimizer "
-                 f"{' or '.join(repr(n) for n in optimizers.names() if optimizers.get(n).supports_compact_states)} only "
+                 f"optim.{compact[0] if compact else ''} is honoured by optim.optimizer {honouring} only "
                  f"(Megatron's optimizers keep fp32 master weights and moments without transformer-engine); "
                  f"got optimizer '{self.optimizer}'")
         _require(0.0 <= self.offload_fraction <= 1.0,

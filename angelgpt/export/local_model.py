@@ -21,8 +21,8 @@ padded vocabulary is kept (``make_vocab_size_divisible_by`` is set to it).
 from __future__ import annotations
 
 import tempfile
-from dataclasses import replace
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import List, Optional
 
 import torch
