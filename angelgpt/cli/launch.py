@@ -76,11 +76,13 @@ def torchrun_command(rdzv: Rendezvous, worker_args: List[str]) -> List[str]:
 
 
 def worker_env(on_gpu: bool, nproc_per_node: int, optimizer: str = "megatron", max_restarts: int = 0) -> dict:
+    from angelgpt.config import optimizers
+
     env = dict(os.environ)
-    if optimizer != "zero_cache":
-        # Megatron's launch scripts use one hardware work queue; ZeRO-Cache needs several, or its
-        # transfer streams' waits hold up the compute kernels queued behind them
-        env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    # the optimizer's own (its spec's env): Megatron's launch scripts use one hardware work queue;
+    # ZeRO-Cache needs several, or its transfer streams' waits hold up the compute kernels queued behind them
+    for key, value in optimizers.get(optimizer).env.items():
+        env.setdefault(key, value)
     env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, nproc_per_node))))
     env.setdefault("PYTHONWARNINGS", "ignore")
@@ -99,8 +101,12 @@ def worker_env(on_gpu: bool, nproc_per_node: int, optimizer: str = "megatron", m
 
 
 def queue_warning(env: dict, on_gpu: bool, optimizer: str) -> Optional[str]:
-    """A warning line when the user's environment gives ZeRO-Cache one CUDA hardware work queue."""
-    if on_gpu and optimizer == "zero_cache" and env.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
+    """A warning line when the user's environment gives ZeRO-Cache (an optimizer that needs several) one
+    CUDA hardware work queue."""
+    from angelgpt.config import optimizers
+
+    if on_gpu and optimizers.get(optimizer).needs_several_cuda_work_queues and \
+            env.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
         return ("angelgpt: warning: CUDA_DEVICE_MAX_CONNECTIONS=1 gives ZeRO-Cache one hardware work queue, so "
                 "its transfer streams' waits hold up the compute queued behind them; unset it")
     return None

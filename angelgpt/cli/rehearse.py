@@ -286,7 +286,8 @@ def rehearse(cfg, size: Optional[str], config: Optional[str], extra: List[str], 
                  "zero_cache.is_communication_time_profiling=true"]
     worker_args = (["--size", size] if size else []) + (["--config", config] if config else []) + extra + overrides
 
-    budget = f" ({_gib(host_max * GIB)} ZeRO-Cache host budget per rank)" if cfg.optim.optimizer == "zero_cache" else ""
+    budget = f" ({_gib(host_max * GIB)} ZeRO-Cache host budget per rank)" if cfg.optim.spec.uses_zero_cache_settings \
+        else ""
     target = (f"the target {hw.name}: {hw.gpu_mem_gib:.1f} GiB per GPU" if on_gpu or machine else  # a GPU read here
               f"a target node of {nproc_per_node} GPUs of {hw.gpu_mem_gib:.1f} GiB" if hw.gpu_mem_gib else
               "a target node without a GPU")

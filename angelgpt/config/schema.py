@@ -11,13 +11,8 @@ import os
 from dataclasses import dataclass, field
 from typing import List, Optional, Union
 
-
-class ConfigError(ValueError):
-    """Bad configuration: the message is one line, fit to print to a user as is."""
-
-    def __init__(self, message):
-        # a key or value carrying a line break must not break the one-line message
-        super().__init__(str(message).replace("\r", "\\r").replace("\n", "\\n"))
+from angelgpt.config import optimizers
+from angelgpt.config.errors import ConfigError
 
 
 def _require(cond: bool, msg: str) -> None:
@@ -220,7 +215,12 @@ class OptimConfig:
     optimizer: str = "megatron"
     """'megatron' (Megatron's distributed optimizer), 'megatron_cpu_offload' (the same with Megatron's
     HybridDeviceOptimizer keeping offload_fraction of the states on the CPU; GPU only) or 'zero_cache'
-    (GPU + CPU + NVMe state store)."""
+    (GPU + CPU + NVMe state store); or an optimizer a module of custom_import registers
+    (angelgpt.config.optimizers)."""
+    custom_import: List[str] = field(default_factory=list)
+    """Modules imported (by the launcher and by every worker) before optimizer is looked up, each of
+    which may register an optimizer (angelgpt.config.optimizers.register; torchtitan's custom_import);
+    importable from the workers' directory or PYTHONPATH, e.g. ['tests.toy_optimizer']."""
     offload_fraction: float = 1.0
     """With 'megatron_cpu_offload': fraction of the optimizer states Megatron offloads to the CPU."""
     lr: float = 3.0e-4
@@ -272,8 +272,8 @@ class OptimConfig:
     square root in E4M3 with a scale per block of 256, rounded stochastically, so any beta2)."""
 
     def __post_init__(self):
-        _require(self.optimizer in ("megatron", "megatron_cpu_offload", "zero_cache"),
-                 f"optim.optimizer must be 'megatron', 'megatron_cpu_offload' or 'zero_cache', got '{self.optimizer}'")
+        optimizers.import_custom(self.custom_import)
+        spec = optimizers.get(self.optimizer)
         for key in ("exp_avg_dtype", "exp_avg_sq_dtype"):
             _require(getattr(self, key) in MOMENT_DTYPES,
                      f"optim.{key} must be one of {', '.join(MOMENT_DTYPES)}, got '{getattr(self, key)}'")
@@ -287,8 +287,9 @@ class OptimConfig:
         compact = [k for k, v in (("store_param_remainders", self.store_param_remainders is True),
                                   ("exp_avg_dtype", self.exp_avg_dtype != "fp32"),
                                   ("exp_avg_sq_dtype", self.exp_avg_sq_dtype != "fp32")) if v]
-        _require(not compact or self.optimizer == "zero_cache",
-                 f"optim.{compact[0] if compact else ''} is honoured by optim.optimizer 'zero_cache' only "
+        honouring = " or ".join(repr(n) for n in optimizers.names() if optimizers.get(n).supports_compact_states)
+        _require(not compact or spec.supports_compact_states,
+                 f"optim.{compact[0] if compact else ''} is honoured by optim.optimizer {honouring} only "
                  f"(Megatron's optimizers keep fp32 master weights and moments without transformer-engine); "
                  f"got optimizer '{self.optimizer}'")
         _require(0.0 <= self.offload_fraction <= 1.0,
@@ -305,6 +306,11 @@ class OptimConfig:
             _require(0.0 <= value < 1.0, f"optim.{key} must be in [0, 1), got {value}")
         _require(self.weight_decay >= 0.0, f"optim.weight_decay must be >= 0, got {self.weight_decay}")
         _require(self.clip_grad >= 0.0, f"optim.clip_grad must be >= 0, got {self.clip_grad}")
+
+    @property
+    def spec(self) -> optimizers.OptimizerSpec:
+        """The registered spec of `optimizer` (angelgpt.config.optimizers): what the rest asks of it."""
+        return optimizers.get(self.optimizer)
 
 
 @dataclass
@@ -632,12 +638,14 @@ class Config:
     def check_device(self, on_gpu: bool) -> None:
         """Refuses what this build cannot run on the chosen device."""
         if on_gpu:
+            _require(self.optim.spec.runs_on_gpu,
+                     f"optim.optimizer '{self.optim.optimizer}' runs on the CPU only ({self.optim.spec.description})")
             _require(self.model.activation_offload != "checkpoints" or self.model.recompute == "full",
                      f"model.activation_offload 'checkpoints' moves the inputs that recompute keeps: it needs "
                      f"model.recompute 'full', got '{self.model.recompute}'")
         if not on_gpu:
-            _require(self.optim.optimizer != "megatron_cpu_offload",
-                     "optim.optimizer 'megatron_cpu_offload' needs CUDA (Megatron's HybridDeviceOptimizer)")
+            _require(self.optim.spec.runs_on_cpu,
+                     f"optim.optimizer '{self.optim.optimizer}' needs CUDA ({self.optim.spec.description})")
             _require(self.model.recompute != "full",
                      "model.recompute 'full' needs CUDA (Megatron's activation checkpointing saves the CUDA RNG "
                      "state); use 'none' on CPU")

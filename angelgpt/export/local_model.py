@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import tempfile
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import List, Optional
 
 import torch
@@ -41,8 +42,6 @@ def run_config(reader, overrides: Optional[List[str]] = None, device: str = "cpu
     raw["model"].update(make_vocab_size_divisible_by=padded, recompute="none", recompute_num_layers=None,
                         activation_offload="none", transformer_impl="local")
     raw["parallel"].update(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
-    if raw.get("optim", {}).get("optimizer") == "megatron_cpu_offload":  # no optimizer here; it needs CUDA
-        raw["optim"]["optimizer"] = "megatron"
     if "sequence_parallel" in raw["parallel"]:
         raw["parallel"]["sequence_parallel"] = False
     raw["checkpoint"] = {"save": None, "load": None}
@@ -52,6 +51,8 @@ def run_config(reader, overrides: Optional[List[str]] = None, device: str = "cpu
         yaml.safe_dump(raw, fh)
         fh.flush()
         cfg = parse(None, fh.name, list(overrides or []))
+    if not cfg.optim.spec.runs_on_cpu:  # no optimizer is built here: one that needs CUDA is not refused on CPU
+        cfg = replace(cfg, optim=replace(cfg.optim, optimizer="megatron"))
     if cfg.padded_vocab_size() != padded:
         raise ConfigError(f"model.vocab_size {cfg.model.vocab_size} does not fit the checkpoint's vocabulary "
                           f"of {padded}")

@@ -201,14 +201,16 @@ DP_RESHARDABLE, FULLY_RESHARDABLE = "dp_reshardable", "fully_reshardable"
 CHECKPOINT_METADATA = {"distrib_optim_sharding_type": DP_RESHARDABLE, "chained_optim_avoid_prefix": True}
 
 
-def build_megatron_optimizer(model, cfg: Config, gloo_groups: bool = True) -> MegatronDistributedOptimizer:
-    """Megatron's distributed optimizer over a Megatron DDP-wrapped model (GPU), optionally with its CPU
-    offload; `gloo_groups` off where there are none (a rehearsal's fake process group)."""
+def build_megatron_optimizer(model, cfg: Config, gloo_groups: bool = True,
+                             cpu_offload: bool = False) -> MegatronDistributedOptimizer:
+    """Megatron's distributed optimizer over a Megatron DDP-wrapped model (GPU), with its CPU offload
+    (HybridDeviceOptimizer, optim.offload_fraction of the states) where `cpu_offload`; `gloo_groups` off
+    where there are none (a rehearsal's fake process group)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     o = cfg.optim
     offload = {}
-    if o.optimizer == "megatron_cpu_offload":  # Megatron's HybridDeviceOptimizer
+    if cpu_offload:  # Megatron's HybridDeviceOptimizer
         offload = dict(optimizer_cpu_offload=True, optimizer_offload_fraction=o.offload_fraction,
                        overlap_cpu_optimizer_d2h_h2d=True)  # precision-aware mode needs transformer-engine
     opt_config = OptimizerConfig(

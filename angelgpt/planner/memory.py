@@ -90,7 +90,7 @@ def offloaded_activation_bytes(cfg: Config, in_flight: int = 1) -> int:
 def accumulating(cfg: Config, dp: int) -> bool:
     """Several micro batches per step, added up on the GPU: every gradient lives there until the last
     one (unless zero_cache.accumulate_in_store moves each micro batch's gradients to their owner)."""
-    return cfg.num_microbatches(dp) > 1 and not (cfg.optim.optimizer == "zero_cache"
+    return cfg.num_microbatches(dp) > 1 and not (cfg.optim.spec.uses_zero_cache_settings
                                                 and cfg.zero_cache.accumulate_in_store is True)
 
 

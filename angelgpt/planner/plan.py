@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Dict, Optional
 
-from angelgpt.config import Config
+from angelgpt.config import Config, ConfigError
 import angelgpt.planner.megatron as megatron
 import angelgpt.planner.megatron_cpu_offload as megatron_cpu_offload
 import angelgpt.planner.zero3_offload as zero3_offload
@@ -107,6 +107,13 @@ def plan(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int = 1) -> Di
 def plan_for(cfg: Config, hw: Machine, gpus_per_node: int = 1, nodes: int = 1, pp_rank: int = 0) -> SystemPlan:
     """The plan of the optimizer the configuration asks for, for a rank of pipeline stage pp_rank (its
     parameters, optimizer states and micro batches in flight)."""
-    return {"zero_cache": plan_zero_cache, "megatron": plan_megatron,
-            "megatron_cpu_offload": plan_megatron_cpu_offload}[cfg.optim.optimizer](
-        cfg, hw, gpus_per_node, nodes, pp_rank=pp_rank)
+    system = cfg.optim.spec.planner_system
+    if system not in SYSTEM_PLANS:
+        raise ConfigError(f"optim.optimizer '{cfg.optim.optimizer}' has no GPU plan (the planner models "
+                          f"{', '.join(SYSTEM_PLANS)})")
+    return SYSTEM_PLANS[system](cfg, hw, gpus_per_node, nodes, pp_rank=pp_rank)
+
+
+# the systems an optimizer's spec may name as its planner_system (angelgpt.config.optimizers)
+SYSTEM_PLANS = {"zero_cache": plan_zero_cache, "megatron": plan_megatron,
+                "megatron_cpu_offload": plan_megatron_cpu_offload}

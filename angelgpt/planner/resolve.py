@@ -68,7 +68,7 @@ def resolve_config(cfg: Config, machine: Machine, gpus_per_node: int, nodes: int
     zc, o = cfg.zero_cache, cfg.optim
     cpu_adam = zc.cpu_adam if zc.cpu_adam != "auto" else ("native" if c_compiler() else "torch")
     # before the plan: it sets the bytes a parameter
-    o = replace(o, store_param_remainders=remainders_on(o, o.optimizer == "zero_cache" and on_gpu))
+    o = replace(o, store_param_remainders=remainders_on(o, o.spec.supports_compact_states and on_gpu))
     cfg = replace(cfg, train=replace(cfg.train, device=device), optim=o,
                   model=replace(cfg.model, transformer_impl=_transformer_impl(cfg.model.transformer_impl)),
                   zero_cache=replace(zc, cpu_adam=cpu_adam))
@@ -82,7 +82,7 @@ def resolve_config(cfg: Config, machine: Machine, gpus_per_node: int, nodes: int
         if m.activation_offload == "auto":
             m = replace(m, activation_offload=chosen.activation_offload)
         cfg = replace(cfg, model=m)
-        if cfg.optim.optimizer == "zero_cache":
+        if cfg.optim.spec.uses_zero_cache_settings:
             cfg = replace(cfg, zero_cache=replace(
                 zc,
                 prefetch_cache_sub_group_rate=chosen.rate if zc.prefetch_cache_sub_group_rate == "auto"

@@ -98,7 +98,8 @@ def checkpoint_staging_bytes(cfg: Config, world: int, pp_rank: int = 0) -> int:
     gathers its data-parallel group's, 12 bytes a parameter) and the bf16 weights it may be the main
     replica of."""
     n = sum(p.numel for p in rank_params(cfg, pp_rank))
-    gathered = cfg.optim.optimizer.startswith("megatron") and cfg.checkpoint.dist_ckpt_optim_fully_reshardable
+    gathered = (cfg.optim.spec.gathers_states_to_save_fully_reshardable
+                and cfg.checkpoint.dist_ckpt_optim_fully_reshardable)
     return -(-n * 12 // (1 if gathered else cfg.data_parallel_size(world))) + n * MODEL_BYTES
 
 

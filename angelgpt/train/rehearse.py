@@ -107,7 +107,7 @@ def main(argv=None) -> int:
                                          **({f"zero_cache.{k}": getattr(trainer.cfg.zero_cache, k) for k in (
                                              "prefetch_cache_sub_group_rate", "offload_params",
                                              "accumulate_in_store", "device_update_fraction", "cpu_adam",
-                                             "host_max_gib")} if trainer.cfg.optim.optimizer == "zero_cache"
+                                             "host_max_gib")} if trainer.cfg.optim.spec.uses_zero_cache_settings
                                             else {})}}
         trainer.train()
         report["fits"] = True

@@ -22,42 +22,21 @@ def build(cfg, on_gpu: bool, beside_store_bytes: int = 0, rehearsal: bool = Fals
     """Model, optimizer and scheduler for this rank, from a resolved config (no 'auto' left); `rehearsal`:
     the rank is played alone under fake collectives (angelgpt.parallel.rehearsal)."""
     from angelgpt.model.gpt import build_gpt
-    from angelgpt.optimizer.cpu import CPUDataParallelAdamW
-    from angelgpt.optimizer.megatron import build_megatron_optimizer
     from angelgpt.optimizer.schedule import build_scheduler
 
-    # ZeRO-Cache on GPU: layers built on the meta device, made real one at a time while its store fills
-    # (a rank's full weights need not fit its GPU, only the resident ones and one offloaded layer)
-    # (not with transformer-engine's spec, whose modules angelgpt does not rebuild)
-    defer = on_gpu and cfg.optim.optimizer == "zero_cache" and cfg.model.transformer_impl != "transformer_engine"
+    spec = cfg.optim.spec
+    # an optimizer that places layers itself (ZeRO-Cache) on GPU: layers built on the meta device, made
+    # real one at a time while its store fills (a rank's full weights need not fit its GPU, only the
+    # resident ones and one offloaded layer) (not with transformer-engine's spec, whose modules angelgpt
+    # does not rebuild)
+    defer = on_gpu and spec.defers_layer_init and cfg.model.transformer_impl != "transformer_engine"
     model = build_gpt(cfg, on_gpu, defer_layers=defer)
     if on_gpu:
         from megatron.core.transformer.module import Float16Module
 
         model = Float16Module(model.config, model)  # bf16 weights and inputs, fp32 loss
-    if cfg.optim.optimizer == "zero_cache":
-        import torch
-
-        from angelgpt.optimizer.zero_cache import ZeroCacheOptimizer
-
-        device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-        from angelgpt.model.deferred import materializer
-
-        optimizer = ZeroCacheOptimizer(model, cfg, device, beside_store_bytes,
-                                       materialize=materializer(model, device) if defer else None,
-                                       rehearsal=rehearsal)
-    elif on_gpu:
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.distributed import finalize_model_grads
-
-        # optim.accumulate_grads_in_fp32: micro batches add up (and reduce) in an fp32 main_grad buffer
-        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=cfg.optim.accumulate_grads_in_fp32,
-                                                   overlap_grad_reduce=False, use_distributed_optimizer=True)
-        model = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
-        model.config.finalize_model_grads_func = finalize_model_grads
-        optimizer = build_megatron_optimizer(model, cfg, gloo_groups=not rehearsal)
-    else:
-        optimizer = CPUDataParallelAdamW(model, cfg)
+    model, optimizer = spec.builder()(model, cfg, on_gpu, deferred=defer, beside_store_bytes=beside_store_bytes,
+                                      rehearsal=rehearsal)
     return model, optimizer, build_scheduler(optimizer, cfg)
 
 
