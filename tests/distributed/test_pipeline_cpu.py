@@ -22,7 +22,6 @@ STEPS = 20
 COMMON = (f"train.train_iters={STEPS}", "train.micro_batch_size=2", "train.eval_interval=10")
 OPTIMIZERS = {
     "megatron": ("optim.optimizer=megatron",),  # on CPU: CPUDataParallelAdamW
-    "zero_cache-0.0": ("optim.optimizer=zero_cache", "zero_cache.prefetch_cache_sub_group_rate=0.0"),
     "zero_cache-0.5": ("optim.optimizer=zero_cache", "zero_cache.prefetch_cache_sub_group_rate=0.5"),
 }
 LAYOUTS = {
@@ -57,7 +56,7 @@ def assert_same_losses(base, other, steps):
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+@pytest.mark.parametrize("optimizer", ["megatron", "zero_cache-0.5"])  # rate 0.0 at TP x DP: test_zero_cache
 def test_pipeline_matches_single_rank(tmp_path, single_rank, optimizer, layout):
     nproc, overrides = LAYOUTS[layout]
     other = train_tiny(tmp_path, layout, *COMMON, *OPTIMIZERS[optimizer], *overrides, nproc=nproc)

@@ -22,9 +22,8 @@ def _same(base, other, what):
 
 @pytest.mark.parametrize("optimizer", [
     ["optim.optimizer=megatron"],
-    ["optim.optimizer=zero_cache", "zero_cache.prefetch_cache_sub_group_rate=0.0"],
     ["optim.optimizer=zero_cache", "zero_cache.prefetch_cache_sub_group_rate=0.5"],
-], ids=["megatron", "zero_cache-rate0", "zero_cache-rate0.5"])
+], ids=["megatron", "zero_cache-rate0.5"])
 def test_tp2_with_sequence_parallel_matches_one_rank(tmp_path, optimizer):
     steps = f"train.train_iters={STEPS}"
     base = train_tiny(tmp_path, "tp1", steps, *optimizer)
