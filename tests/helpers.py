@@ -79,7 +79,7 @@ def run_cli_in_process(*args):
 
 def train_shared_gpu(tmp_path, name, *overrides, nproc=1, size="tiny", timeout=300, check=True):
     """Trains on GPU 0 with `nproc` torchrun ranks sharing it under a gloo default group
-    (tests/gpu/shared_gpu_worker.py: parallel.SharedDevice) and returns the per-iteration metrics; with
+    (tests/gpu/shared_gpu_worker.py: tests/shared_device.py's SharedDevice) and returns the per-iteration metrics; with
     check=False, the finished process instead (whatever its exit code)."""
     metrics = tmp_path / f"{name}.jsonl"
     # the workers share torchrun's store, as angelgpt's launcher has them do without restarts (a store of

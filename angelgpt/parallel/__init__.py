@@ -2,11 +2,13 @@
 
 The default group is NCCL on GPUs and gloo on the CPU. Two other arrangements are objects passed to
 `initialize`: a rehearsal (`rehearsal.Rehearsal`: one rank of a larger world played alone under torch's
-fake process group) and several ranks sharing one GPU for tests (`shared_device.SharedDevice`).
+fake process group) and the ranks of a node sharing one GPU (an object of the interface
+`device_sharing.DeviceSharing`, which this package defines and does not implement).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from datetime import timedelta
 from typing import Optional
@@ -14,27 +16,31 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from angelgpt.parallel.device_sharing import DeviceSharing
 from angelgpt.parallel.rehearsal import Rehearsal
-from angelgpt.parallel.shared_device import SharedDevice
 
-__all__ = ["Rehearsal", "SharedDevice", "all_ranks", "destroy", "initialize", "is_timeout", "rank"]
+__all__ = ["DeviceSharing", "Rehearsal", "all_ranks", "destroy", "initialize", "is_timeout", "rank"]
+
+# what initialize entered for this process (a DeviceSharing's process()), left by destroy
+_ENTERED = contextlib.ExitStack()
 
 
 def initialize(tensor_parallel: int, pipeline_parallel: int, on_gpu: bool, timeout_minutes: float = 10.0,
-               rehearse: Optional[Rehearsal] = None, shared: Optional[SharedDevice] = None) -> None:
+               rehearse: Optional[Rehearsal] = None, sharing: Optional[DeviceSharing] = None) -> None:
     """Creates the default group (NCCL on GPU, gloo on CPU) and Megatron's TP/PP/DP groups; a collective
     that waits longer than timeout_minutes raises on the waiting rank. With `rehearse`, the one rank it
-    names under the fake process group instead; with `shared` (GPU), every rank on that one GPU under gloo."""
+    names under the fake process group instead; with `sharing` (GPU), the node's ranks on one GPU, the
+    default group of its backend, inside its process() until destroy()."""
     from megatron.core import parallel_state
 
     if rehearse is not None:
         return rehearse.start(tensor_parallel, pipeline_parallel, on_gpu)
-    if on_gpu and shared is not None:
-        shared.start()
+    if on_gpu and sharing is not None:
+        _ENTERED.enter_context(sharing.process())
     elif on_gpu:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
-        backend = "nccl" if on_gpu and shared is None else "gloo"
+        backend = ("nccl" if sharing is None else sharing.backend) if on_gpu else "gloo"
         dist.init_process_group(backend, timeout=timedelta(minutes=timeout_minutes))
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_parallel,
@@ -56,6 +62,7 @@ def destroy() -> None:
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+    _ENTERED.close()
 
 
 def all_ranks(value: bool, device) -> bool:

@@ -113,19 +113,17 @@ def _mean_loss(stats: List[Dict[str, torch.Tensor]], device) -> float:
     return loss.item() / dp
 
 
-def _host_staged(forward_backward, model):
-    """Megatron's forward-backward with its pipeline sends and receives staged through host memory (one
-    tensor at a time: batch_p2p_comm off in the model's config)."""
+def _shared_p2p(forward_backward, model, sharing):
+    """Megatron's forward-backward with its pipeline sends and receives carried by `sharing`
+    (parallel.DeviceSharing: one tensor at a time, batch_p2p_comm off in the model's config)."""
     from megatron.core.utils import get_model_config
-
-    from angelgpt.parallel import shared_device
 
     config = get_model_config(model)
     config.batch_p2p_comm = False
-    shared_device.check_config(config)
+    sharing.check_pipeline_config(config)
 
     def run(**kwargs):
-        with shared_device.host_staged():
+        with sharing.pipeline_p2p():
             return forward_backward(**kwargs)
 
     return run
@@ -133,7 +131,7 @@ def _host_staged(forward_backward, model):
 
 class Trainer:
     def __init__(self, cfg: Config, model, optimizer: Optimizer, scheduler, train_ds, valid_ds, on_gpu: bool,
-                 control: RunControl, rehearsal: bool = False):
+                 control: RunControl, rehearsal: bool = False, sharing=None):
         self.cfg = cfg
         self.control = control
         control.configure(cfg.checkpoint.stop_grace_s, cfg.train.exit_duration_mins)
@@ -151,10 +149,11 @@ class Trainer:
             from megatron.core.pipeline_parallel import get_forward_backward_func
 
             self.forward_backward = get_forward_backward_func()
-            from angelgpt.parallel import shared_device
-
-            if shared_device.needs_staging(on_gpu):  # ranks sharing one GPU under gloo: P2P through host memory
-                self.forward_backward = _host_staged(self.forward_backward, model)
+            # ranks sharing one GPU (parallel.DeviceSharing): a pipeline group of its backend carries
+            # CUDA tensors only as it arranges
+            if sharing is not None and self.pipelined and \
+                    dist.get_backend(parallel_state.get_pipeline_model_parallel_group()) == sharing.backend:
+                self.forward_backward = _shared_p2p(self.forward_backward, model, sharing)
         elif self.pipelined:  # Megatron's 1F1B with its CUDA allocations kept on the CPU
             from angelgpt.parallel import cpu_schedules
 

@@ -70,15 +70,15 @@ def follow_rank0(cfg):
     return choice[0]
 
 
-def run(cfg, resolved: bool = False, shared=None, control=None) -> float:
-    return make_trainer(cfg, resolved=resolved, shared=shared, control=control).train()
+def run(cfg, resolved: bool = False, sharing=None, control=None) -> float:
+    return make_trainer(cfg, resolved=resolved, sharing=sharing, control=control).train()
 
 
-def make_trainer(cfg, rehearse=None, shared=None, resolved: bool = False, machine=None, control=None):
+def make_trainer(cfg, rehearse=None, sharing=None, resolved: bool = False, machine=None, control=None):
     """This rank's Trainer, everything built and resumed, ready to train(). `resolved`: `cfg` has no
     'auto' left (the launcher's run config), else it is resolved here (`resolve_here`, for `machine`
     where given). `rehearse` (parallel.Rehearsal): play that rank of its world alone, under the fake
-    process group; `shared` (parallel.SharedDevice): every rank on one GPU under gloo (tests).
+    process group; `sharing` (parallel.DeviceSharing): the node's ranks on one GPU, as that object arranges.
     `control` (train.stop.RunControl): the stop requests and phase the worker shares with the loop (one
     with the signal handlers installed when not given)."""
     import torch
@@ -102,7 +102,7 @@ def make_trainer(cfg, rehearse=None, shared=None, resolved: bool = False, machin
     world = rehearse.world_size if rehearse else int(os.environ.get("WORLD_SIZE", "1"))
     cfg.data_parallel_size(world)
     parallel.initialize(cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size, on_gpu,
-                        cfg.parallel.distributed_timeout_minutes, rehearse, shared)
+                        cfg.parallel.distributed_timeout_minutes, rehearse, sharing)
     setup_logging()
     if not resolved:
         cfg = resolve_here(cfg, on_gpu, machine, alone=rehearse is not None)
@@ -130,7 +130,7 @@ def make_trainer(cfg, rehearse=None, shared=None, resolved: bool = False, machin
     valid_samples = cfg.train.eval_iters * gb if cfg.train.eval_interval else 0
     train_ds, valid_ds = build_datasets(cfg, tokenizer, cfg.train.train_iters * gb, valid_samples)
     trainer = Trainer(cfg, model, optimizer, scheduler, train_ds, valid_ds, on_gpu, control,
-                      rehearsal=rehearse is not None)
+                      rehearsal=rehearse is not None, sharing=sharing)
     trainer.maybe_resume()
     log.info(f"training from iteration {trainer.iteration} to {cfg.train.train_iters} "
              f"(DP={parallel_state.get_data_parallel_world_size()}, "
@@ -139,10 +139,10 @@ def make_trainer(cfg, rehearse=None, shared=None, resolved: bool = False, machin
     return trainer
 
 
-def main(argv=None, shared=None) -> int:
+def main(argv=None, sharing=None) -> int:
     """The worker's entry: the run config the launcher wrote (ANGELGPT_RUN_CONFIG), else the config its
-    command line gives (`--size`, `--config`, KEY=VALUE). `shared` (parallel.SharedDevice) puts every
-    rank on one GPU (tests)."""
+    command line gives (`--size`, `--config`, KEY=VALUE). `sharing` (parallel.DeviceSharing): the node's
+    ranks on one GPU, as that object arranges."""
     from angelgpt.train.lifetime import watch_launcher
 
     watch_launcher()  # a worker of `angelgpt train` ends when the launcher does, SIGKILL included
@@ -155,7 +155,7 @@ def main(argv=None, shared=None) -> int:
     control = RunControl().install_signal_handlers()
     try:
         cfg = parse(None, run_config) if run_config else from_argv(sys.argv[1:] if argv is None else argv)
-        run(cfg, resolved=bool(run_config), shared=shared, control=control)
+        run(cfg, resolved=bool(run_config), sharing=sharing, control=control)
     except ConfigError as exc:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"angelgpt: error: {exc}", file=sys.stderr, flush=True)

@@ -1,19 +1,21 @@
-"""Several ranks on one GPU (for tests: a multi-rank layout where one GPU is lent).
+"""SharedDevice: several ranks on one GPU, for tests (a multi-rank layout where one GPU is lent); an
+implementation of angelgpt.parallel.DeviceSharing, passed to the worker by tests/gpu/shared_gpu_worker.py.
 
 NCCL refuses two ranks on one GPU, so under ``SharedDevice`` every rank sets GPU 0 and the default
 group is gloo, which carries all-reduce, reduce-scatter and all-gather of CUDA tensors. Two things gloo
 does not carry on CUDA tensors are adapted here, and only here, for such a process:
 
-- pipeline sends and receives (Megatron's P2P communicator): inside ``host_staged()`` a send copies its
+- pipeline sends and receives (Megatron's P2P communicator): inside ``pipeline_p2p()`` a send copies its
   tensor into host memory and sends the copy, and a receive receives into a host buffer that its
   ``wait()`` copies into the CUDA tensor Megatron gave. It holds only while the schedule runs (the loop
   enters it around Megatron's forward-backward function), one schedule at a time, and changes only
   ``torch.distributed.isend`` and ``irecv``, which Megatron calls one tensor at a time when the model
-  config says ``batch_p2p_comm=False`` (``check_config``);
+  config says ``batch_p2p_comm=False`` (``check_pipeline_config``);
 - coalesced collectives: Megatron's gradient buffer groups its buckets' reduce-scatters and all-gathers
   under ``torch.distributed._coalescing_manager``, whose end crashes the process (SIGSEGV) for gloo on
-  CUDA tensors (seen on the H200 with torch 2.11). ``uncoalesced()`` gives Megatron's buffer module a
-  manager that lets each collective run as issued (synchronously: angelgpt does not overlap them).
+  CUDA tensors (seen on the H200 with torch 2.11). Inside ``process()`` (from parallel.initialize to
+  parallel.destroy) Megatron's buffer module holds a manager that lets each collective run as issued
+  (synchronously: angelgpt does not overlap them); its own is back on exit.
 """
 
 from __future__ import annotations
@@ -33,11 +35,22 @@ class SharedDevice:
     """Every rank of the node on one GPU, under a gloo default group (parallel.initialize)."""
 
     device: int = 0
+    backend: str = "gloo"
 
-    def start(self) -> None:
-        """This process's GPU, and Megatron's collectives issued one by one (uncoalesced)."""
+    @contextlib.contextmanager
+    def process(self):
+        """This process's GPU, and Megatron's collectives issued one by one while inside (uncoalesced)."""
         torch.cuda.set_device(self.device)
-        uncoalesced()
+        with uncoalesced():
+            yield
+
+    def check_pipeline_config(self, config) -> None:
+        """Megatron sends one tensor at a time only with batch_p2p_comm and overlap_p2p_comm off."""
+        if config.batch_p2p_comm or config.overlap_p2p_comm:
+            raise ValueError("host-staged pipeline P2P needs batch_p2p_comm and overlap_p2p_comm off")
+
+    def pipeline_p2p(self):
+        return host_staged()
 
 
 class _Staged:
@@ -74,12 +87,6 @@ def _staging(isend, irecv):
     return send, recv
 
 
-def check_config(config) -> None:
-    """Megatron sends one tensor at a time only with batch_p2p_comm and overlap_p2p_comm off."""
-    if config.batch_p2p_comm or config.overlap_p2p_comm:
-        raise ValueError("host-staged pipeline P2P needs batch_p2p_comm and overlap_p2p_comm off")
-
-
 @contextlib.contextmanager
 def host_staged():
     """torch.distributed.isend/irecv of CUDA tensors staged through host memory while inside."""
@@ -90,14 +97,6 @@ def host_staged():
             yield
         finally:
             dist.isend, dist.irecv = saved
-
-
-def needs_staging(on_gpu: bool) -> bool:
-    """Whether this rank's pipeline group is gloo while its tensors live on a GPU."""
-    from megatron.core import parallel_state
-
-    return (on_gpu and parallel_state.get_pipeline_model_parallel_world_size() > 1
-            and dist.get_backend(parallel_state.get_pipeline_model_parallel_group()) == "gloo")
 
 
 class _Issued:
@@ -112,8 +111,15 @@ def _one_by_one(group=None, device=None, async_ops=False):
     yield _Issued()
 
 
-def uncoalesced() -> None:
-    """Megatron's gradient buffer issues its buckets' collectives one by one (see the module's docstring)."""
+@contextlib.contextmanager
+def uncoalesced():
+    """Inside, Megatron's gradient buffer issues its buckets' collectives one by one (see the module's
+    docstring); its own coalescing manager is back on exit."""
     from megatron.core.distributed import param_and_grad_buffer
 
+    saved = param_and_grad_buffer._coalescing_manager
     param_and_grad_buffer._coalescing_manager = _one_by_one
+    try:
+        yield
+    finally:
+        param_and_grad_buffer._coalescing_manager = saved
