@@ -9,6 +9,7 @@ import contextlib
 import io
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -77,18 +78,37 @@ def run_cli_in_process(*args):
     return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
 
 
+def dry_run(tmp_path, *args):
+    """`angelgpt train --dry-run ARGS` with its run config written under tmp_path: the finished process
+    and the torchrun command it printed, as a list of arguments (None when it printed none)."""
+    proc = run_cli("train", "--dry-run", *args, env={"TMPDIR": str(tmp_path)})
+    line = next((l for l in proc.stdout.splitlines() if l.startswith("torchrun command: ")), "")
+    cmd = shlex.split(line.partition(": ")[2]) if proc.returncode == 0 and "--run-config" in line else None
+    return proc, cmd
+
+
+def run_config_in(cmd):
+    """The path a worker command's `--run-config` names."""
+    return cmd[cmd.index("--run-config") + 1]
+
+
 def train_shared_gpu(tmp_path, name, *overrides, nproc=1, size="tiny", timeout=300, check=True):
     """Trains on GPU 0 with `nproc` torchrun ranks sharing it under a gloo default group
-    (tests/gpu/shared_gpu_worker.py: tests/shared_device.py's SharedDevice) and returns the per-iteration metrics; with
-    check=False, the finished process instead (whatever its exit code)."""
+    (tests/gpu/shared_gpu_worker.py: tests/shared_device.py's SharedDevice) on the run config a dry run
+    resolves and writes (--force: the planner counts a GPU a rank), and returns the per-iteration
+    metrics; with check=False, the finished process instead (the dry run's, if it refused)."""
     metrics = tmp_path / f"{name}.jsonl"
+    proc, printed = dry_run(tmp_path, "--size", size, "--device", "cuda", "--nproc-per-node", nproc, "--force",
+                            f"logging.metrics_file={metrics}", "logging.log_interval=1", *overrides)
+    if printed is None:
+        assert not check, failure_report(proc)
+        return proc
     # the workers share torchrun's store, as angelgpt's launcher has them do without restarts (a store of
     # their own listens on a port torchrun found free and let go, which a test beside this one may take)
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           str(ROOT / "tests" / "gpu" / "shared_gpu_worker.py"), "--size", size, "train.device=cuda",
-           f"logging.metrics_file={metrics}", "logging.log_interval=1", *map(str, overrides)]
+           str(ROOT / "tests" / "gpu" / "shared_gpu_worker.py"), "--run-config", run_config_in(printed)]
     proc = subprocess.run(cmd, cwd=ROOT, text=True, capture_output=True, timeout=timeout, env=env)
     if not check:
         return proc

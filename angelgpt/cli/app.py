@@ -116,7 +116,8 @@ def train(
     rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help="HOST:PORT (c10d rendezvous)"),
     max_restarts: int = typer.Option(0, "--max-restarts", min=0, help="torchrun restarts on worker failure"),
     device: Optional[str] = DEVICE,
-    dry_run: bool = typer.Option(False, "--dry-run", help="print config and torchrun command, launch nothing"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="print config and torchrun command, write "
+                                 "the run config that command trains on, launch nothing"),
     metrics_file: Optional[str] = typer.Option(None, "--metrics-file", help="JSON-lines metrics output"),
     save: Optional[str] = typer.Option(None, "--save", help="checkpoint directory to save into"),
     load: Optional[str] = typer.Option(None, "--load", help="checkpoint directory to resume from"),
@@ -219,9 +220,9 @@ def train(
     try:
         if launch.nothing_to_train(cfg, resume_at):
             return
-        job.launch(cfg, size, config, extra, on_gpu, gpu_here, target, dp, dry_run, force,
-                launch.Rendezvous(nproc_per_node, nnodes, node_rank, master_addr, master_port, rdzv_endpoint,
-                                  max_restarts))
+        job.launch(cfg, on_gpu, gpu_here, target, dp, dry_run, force,
+                   launch.Rendezvous(nproc_per_node, nnodes, node_rank, master_addr, master_port, rdzv_endpoint,
+                                     max_restarts))
     finally:
         if lock is not None:
             lock.release()
@@ -242,7 +243,8 @@ def rehearse_command(
                                              "of the first, a middle and the last stage)"),
     steps: int = typer.Option(3, "--steps", help="training steps per rehearsed rank"),
     report: Optional[str] = typer.Option(None, "--report", help="JSON report of the rehearsal"),
-    dry_run: bool = typer.Option(False, "--dry-run", help="print the config and the rank's command, run nothing"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="print the config and the rank's command, write the run "
+                                 "config it reads, run nothing"),
 ) -> None:
     """Rehearse a job's ranks one at a time on this machine (fake collectives), each beside the planner's
     prediction; exit 2 if one runs out of the target's memory. `angelgpt train --rehearse` is the same."""

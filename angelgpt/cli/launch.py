@@ -1,8 +1,8 @@
-"""Build the torchrun command for `angelgpt train` and run it. No torch import here."""
+"""The commands `angelgpt train` runs on the run config it writes (torchrun's workers, a rehearsal's
+ranks), and torchrun run. No torch import here."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import shlex
@@ -58,7 +58,8 @@ def nothing_to_train(cfg, at: Optional[int]) -> bool:
     return True
 
 
-def torchrun_command(rdzv: Rendezvous, worker_args: List[str]) -> List[str]:
+def torchrun_command(rdzv: Rendezvous, entry: List[str]) -> List[str]:
+    """torchrun with `rdzv`'s rendezvous, running `entry` (`-m MODULE ARGS...`) on each worker."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(rdzv.nproc_per_node)]
     if rdzv.rdzv_endpoint:
         cmd += ["--nnodes", str(rdzv.nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv.rdzv_endpoint]
@@ -72,7 +73,7 @@ def torchrun_command(rdzv: Rendezvous, worker_args: List[str]) -> List[str]:
     # stop requests are the workers' to handle (angelgpt.train.stop): the agent's own handling of SIGTERM
     # and SIGINT would end them 30 s after one, mid-save
     cmd += ["--signals-to-handle", "SIGHUP,SIGQUIT"]
-    return cmd + ["-m", "angelgpt.train.worker"] + worker_args
+    return cmd + entry
 
 
 def worker_env(on_gpu: bool, nproc_per_node: int, optimizer: str = "megatron", max_restarts: int = 0) -> dict:
@@ -113,46 +114,56 @@ def queue_warning(env: dict, on_gpu: bool, optimizer: str) -> Optional[str]:
 
 
 RUN_CONFIG = "run-config.yaml"
+WORKER = "angelgpt.train.worker"
 
 
-@contextlib.contextmanager
-def run_config_file(cfg, machine, cmd: List[str], keep: bool = True):
+def worker_command(rdzv: Rendezvous, run_config: Path) -> List[str]:
+    """torchrun running the workers on the resolved run config at `run_config` (their only input)."""
+    return torchrun_command(rdzv, ["-m", WORKER, "--run-config", str(run_config)])
+
+
+def rank_command(folder: str, cfg, machine) -> List[str]:
+    """A rehearsed rank's command (angelgpt.train.rehearse), on the run config `cfg` (resolved for
+    `machine`) that it writes into `folder`."""
+    cmd = [sys.executable, "-m", "angelgpt.train.rehearse", "--run-config", os.path.join(folder, RUN_CONFIG)]
+    write_run_config(cmd[-1], cfg, machine, cmd)
+    return cmd
+
+
+def run_config_folder(cfg, keep: bool, dry_run: bool) -> Tuple[Path, bool]:
+    """Where the run config goes, and whether that folder is the run's own, removed after it: the run's
+    checkpoint.save (kept with the checkpoints) where `keep` (the launcher that holds the directory's lock:
+    of several nodes, node 0), else a new temporary directory. A dry run's is a new temporary directory
+    that stays (its printed command reads it; checkpoint.save may be a running job's)."""
+    if cfg.checkpoint.save and keep and not dry_run:
+        return Path(cfg.checkpoint.save), False
+    return Path(tempfile.mkdtemp(prefix="angelgpt-run-")), not dry_run
+
+
+def write_run_config(path, cfg, machine, cmd: List[str]) -> None:
     """The resolved config (every 'auto' a value) as the YAML file the workers build from, with the
-    machine reading it was resolved for and the command line as comments above it: RUN_CONFIG in
-    checkpoint.save (kept with the checkpoints) where `keep` (the launcher that holds the directory's
-    lock: of several nodes, node 0), else in a temporary directory removed after the run. Written to a
+    machine reading it was resolved for and the command lines as comments above it. Written to a
     temporary name and renamed, so a reader never sees half a file; a directory that cannot take it is
     refused in one line."""
     import socket
-    import tempfile
 
     import yaml
 
     from angelgpt.config import ConfigError, to_dict
 
-    into_save = bool(cfg.checkpoint.save) and keep
-    own = None if into_save else tempfile.mkdtemp(prefix="angelgpt-run-")
-    folder = Path(cfg.checkpoint.save if into_save else own)
-    path = folder / RUN_CONFIG
+    path = Path(path)
     text = (f"# the config `angelgpt train` resolved, which its workers build from\n"
             f"# command: {' '.join(shlex.quote(a) for a in sys.argv)}\n"
             f"# workers: {format_command(cmd)}\n"
             f"# machine reading: {machine.to_json() if machine is not None else 'none'}\n"
             + yaml.safe_dump(to_dict(cfg), sort_keys=False))
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{RUN_CONFIG}.{socket.gethostname()}.{os.getpid()}.tmp")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
         tmp.write_text(text)
         os.replace(tmp, path)
     except OSError as exc:
         raise ConfigError(f"cannot write {path}: {exc.strerror or exc}") from None
-    try:
-        yield path
-    finally:
-        if own is not None:
-            import shutil
-
-            shutil.rmtree(own, ignore_errors=True)
 
 
 def format_command(cmd: List[str]) -> str:

@@ -4,9 +4,9 @@ For each rank rehearsed (by default one of each pipeline stage kind: first, midd
 after another (angelgpt.train.rehearse) plays that rank of the real job's world under torch's fake
 process group: its real model shard, optimizer placement and tiers and a few real steps, the GPU
 allocator capped at the target's GPU memory and ZeRO-Cache's host budget the target node's host memory
-per GPU. 'auto' is resolved for the target machine, as the real job would resolve it. Each rank's
-measured peaks and step times are printed beside the planner's prediction for its pipeline stage, and
-written as JSON. Exit 0 when every rehearsed rank ran, 2 when one ran out of the target's memory (one
+per GPU. 'auto' is resolved once, for the target machine as the real job would, into the run config
+every rank builds from. Each rank's measured peaks and step times are printed beside the planner's
+prediction for its pipeline stage, and written as JSON. Exit 0 when every rehearsed rank ran, 2 when one ran out of the target's memory (one
 line says what ran out), 1 when a rehearsal failed otherwise.
 
 Host memory is held to the rank's budget: the target node's host memory over its ranks (on a CPU
@@ -208,7 +208,6 @@ def _this_machine(on_gpu: bool) -> dict:
 
     import torch
 
-
     out = {"host": platform.node(), "cpus": os.cpu_count(), "host_mem_available_bytes": mem_available_bytes()}
     if on_gpu:
         props = torch.cuda.get_device_properties(0)
@@ -222,11 +221,11 @@ def rehearse(cfg, size: Optional[str], config: Optional[str], extra: List[str], 
     """Rehearses the ranks one after another; raises SystemExit(2) when one ran out of memory (one line
     on stderr says which and what), SystemExit(1) when one failed otherwise."""
     from angelgpt.cli import launch
-    from angelgpt.config import ConfigError
+    from angelgpt.config import ConfigError, parse
     from angelgpt.planner import MACHINES, plan_for, resolve_config, resolved_line
     from angelgpt.planner.plan import CUDA_CONTEXT
     from angelgpt.train.lifetime import agent_preexec
-    from angelgpt.train.rehearse import REHEARSE_ENV
+    from angelgpt.train.rehearse import REHEARSE_ENV, played_overrides
 
     if machine is not None and machine not in MACHINES:
         raise ConfigError(f"--machine must be one of {', '.join(MACHINES)}, got '{machine}'")
@@ -258,9 +257,11 @@ def rehearse(cfg, size: Optional[str], config: Optional[str], extra: List[str], 
     share = hw.host_mem_gib / nproc_per_node
     zc = cfg.zero_cache
     host_max = share if zc.host_max_gib is None else min(zc.host_max_gib, share)
-    cfg = replace(cfg, zero_cache=replace(zc, host_max_gib=host_max))
-    resolved, _ = resolve_config(cfg, hw, nproc_per_node, nnodes, on_gpu)
-    line = resolved_line(cfg, resolved)
+    # the ranks' config (the job's, as a rehearsed rank plays it), resolved once here for the target
+    played = parse(size, config, extra + played_overrides(steps))
+    played = replace(played, zero_cache=replace(played.zero_cache, host_max_gib=host_max))
+    resolved, _ = resolve_config(played, hw, nproc_per_node, nnodes, on_gpu)
+    line = resolved_line(played, resolved)
     # each rank's plan, by pipeline stage; one whose host memory is more than the rank's share of the
     # node's is refused here, before anything is built or written
     plans = {p: plan_for(resolved, hw, nproc_per_node, nnodes, pp_rank=p)
@@ -279,13 +280,6 @@ def rehearse(cfg, size: Optional[str], config: Optional[str], extra: List[str], 
     gpu_cap = None
     if on_gpu:
         gpu_cap = min(int(hw.gpu_mem_gib * GIB) - CUDA_CONTEXT, gpu_total)
-    overrides = [f"zero_cache.host_max_gib={host_max:.12f}", f"train.train_iters={steps}", "train.eval_interval=null",
-                 "train.exit_interval=null", "checkpoint.save=null", "checkpoint.load=null",
-                 "logging.metrics_file=null", "logging.tensorboard_dir=null", "logging.wandb_project=null",
-                 "logging.profile_steps=null", "logging.log_interval=1",
-                 "zero_cache.is_communication_time_profiling=true"]
-    worker_args = (["--size", size] if size else []) + (["--config", config] if config else []) + extra + overrides
-
     budget = f" ({_gib(host_max * GIB)} ZeRO-Cache host budget per rank)" if cfg.optim.spec.uses_zero_cache_settings \
         else ""
     target = (f"the target {hw.name}: {hw.gpu_mem_gib:.1f} GiB per GPU" if on_gpu or machine else  # a GPU read here
@@ -302,13 +296,14 @@ def rehearse(cfg, size: Optional[str], config: Optional[str], extra: List[str], 
         print("a rehearsal neither reads nor writes checkpoints (--save/--load ignored)")
     if line:
         print(line, flush=True)
-    cmd = [sys.executable, "-m", "angelgpt.train.rehearse"] + worker_args
-    if dry_run:
+    if dry_run:  # its run config stays, for the command it prints
+        cmd = launch.rank_command(tempfile.mkdtemp(prefix="angelgpt-rehearse-"), resolved, hw)
         print(f"rehearsal command (one per rank): {launch.format_command(cmd)}")
         return
 
     results, failed = [], []
     with tempfile.TemporaryDirectory(prefix="angelgpt-rehearse-") as tmp:
+        cmd = launch.rank_command(tmp, resolved, hw)
         for rank in ranks:
             where = coordinates(rank, tp, pp, dp)
             kind = stage_kind(where["pp_rank"], pp)
@@ -318,7 +313,7 @@ def rehearse(cfg, size: Optional[str], config: Optional[str], extra: List[str], 
             env.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank % nproc_per_node),
                         "LOCAL_WORLD_SIZE": str(nproc_per_node), "GROUP_RANK": str(rank // nproc_per_node),
                         REHEARSE_ENV: json.dumps({"rank": rank, "world_size": world, "gpu_cap_bytes": gpu_cap,
-                                                  "report": path, "machine": hw.to_json()})})
+                                                  "report": path})})
             limit, budget, why = host_budget(share_bytes, source, on_gpu, int(hw.gpu_mem_gib * GIB),
                                              mem_available_bytes())
             proc = run_within_host_budget(cmd, limit, env=env, preexec_fn=agent_preexec())

@@ -198,29 +198,5 @@ def parse(size: Optional[str] = None, config_file: Optional[str] = None,
         raise ConfigError(str(exc)) from None
 
 
-def from_argv(argv: List[str]) -> Config:
-    """The config a worker started by torchrun alone is given on its command line, as `angelgpt train`
-    takes it: ``[--size NAME] [--config FILE] [KEY=VALUE ...]``."""
-    size = config_file = None
-    overrides: List[str] = []
-    items = iter(argv)
-    for item in items:
-        flag, eq, value = item.partition("=")
-        if flag in ("--size", "--config"):
-            if not eq:
-                value = next(items, None)
-                if value is None:
-                    raise ConfigError(f"{flag} needs a value")
-            if flag == "--size":
-                size = value
-            else:
-                config_file = value
-        elif item.startswith("-"):
-            raise ConfigError(f"unknown worker option '{item}'; a worker takes --size, --config and KEY=VALUE")
-        else:
-            overrides.append(item)
-    return parse(size, config_file, overrides)
-
-
 def to_dict(cfg: Config) -> Dict[str, Any]:
     return dataclasses.asdict(cfg)

@@ -9,8 +9,8 @@ rank's process (`angelgpt.train.rehearse`) starts one:
 - a reduce-scatter writes this rank's own chunk, whatever the torch version, Megatron's
   sequence-parallel one included (bound to names of its own when Megatron is imported).
 
-The code that would otherwise wait on other ranks is told by the object, passed in: the worker
-resolves alone, ZeRO-Cache refuses alone and updates whatever the norm, the loop neither skips nor
+The code that would otherwise wait on other ranks is told by the object, passed in: the worker does
+not follow rank 0's config, ZeRO-Cache refuses alone and updates whatever the norm, the loop neither skips nor
 aborts on meaningless losses, and Megatron's optimizer makes no gloo groups.
 """
 

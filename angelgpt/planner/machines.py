@@ -5,8 +5,8 @@ and where, or assumed, and why), the catalogue `MACHINES`, `machine_from` (a cat
 figures given on the command line), `describe` (the catalogue's figures for a GPU read by name, with
 the memory, host memory and disk read on the machine), `read_this_machine` (that reading, here) and
 `rehearsing_machine` (a target node as one of its ranks runs when rehearsed on another machine).
-Also `Machine.to_json`/`from_json`: the launcher passes its reading to the workers, so that both
-resolve 'auto' from the same inputs. Torch-free except `read_this_machine`.
+Also `Machine.to_json`: the reading the launcher resolved with, recorded in the run config it writes.
+Torch-free except `read_this_machine`.
 
 Measured figures are of the one-H200 test machine: ../shared/FACTS.md (probe/hw.py, probe/pin.py,
 beside the repository, not committed in it) and the committed result files under benchmarks/results/,
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Dict, Optional, Tuple
 
 from angelgpt.planner.calibration import GIB, HOST_PROCESS
@@ -51,15 +51,6 @@ class Machine:
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> "Machine":
-        data = json.loads(text)
-        names = {f.name for f in fields(cls)}
-        unknown = set(data) - names
-        if unknown:
-            raise ValueError(f"machine description with unknown fields: {', '.join(sorted(unknown))}")
-        return cls(**data)
 
 
 _FACTS = "../shared/FACTS.md"

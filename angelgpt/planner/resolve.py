@@ -1,8 +1,8 @@
 """Resolution: a config whose 'auto' settings become concrete values for one machine, decided once.
 
 Owns `resolve_config` (the one place where every 'auto' of a config is settled: the launcher calls it
-with its reading of the machine, the workers with the same reading, and build what it returns) and
-`resolved_line` (the line that says what was settled). The choices are the memory and time model's
+with its reading of the machine and writes what it returns as the run config the workers build from),
+`resolved_line` (the line that says what was settled) and `unresolved` (the settings still 'auto'). The choices are the memory and time model's
 (planner.plan, searched by planner.search) for the machine given; the machine's figures are used as
 given (planner.machines).
 Torch-free: it looks for a C compiler without running it.
@@ -106,6 +106,12 @@ def resolve_config(cfg: Config, machine: Machine, gpus_per_node: int, nodes: int
         device_update_fraction=_float(0.0 if frac == "auto" else frac),
         accumulate_in_store=zc.accumulate_in_store is True))
     return cfg, (plan_for(cfg, machine, gpus_per_node, nodes) if on_gpu else None)
+
+
+def unresolved(cfg: Config) -> List[str]:
+    """The settings of `cfg` still 'auto' ('section.key', in the config's order): none in a resolved one."""
+    return [f"{section.name}.{f.name}" for section in fields(cfg) if is_dataclass(getattr(cfg, section.name))
+            for f in fields(getattr(cfg, section.name)) if getattr(getattr(cfg, section.name), f.name) == "auto"]
 
 
 def _text(value) -> str:

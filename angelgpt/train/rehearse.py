@@ -11,8 +11,10 @@ error); ZeRO-Cache's host budget is the target node's host memory per GPU (zero_
 by the launcher). It writes what it measured as JSON to the report path and exits 0 when the rank ran,
 2 when it ran out of memory (or its input was refused), 1 on any other failure.
 
-    ANGELGPT_REHEARSE='{"rank": 4, "world_size": 8, "report": "r4.json", "machine": MACHINE_JSON}' \\
-        python -m angelgpt.train.rehearse --size tiny train.device=cpu ...
+It builds from the run config the launcher resolved once for the target (every 'auto' a value):
+
+    ANGELGPT_REHEARSE='{"rank": 4, "world_size": 8, "report": "r4.json"}' \\
+        python -m angelgpt.train.rehearse --run-config RUN_DIR/run-config.yaml
 """
 
 from __future__ import annotations
@@ -24,8 +26,18 @@ import resource
 import sys
 import traceback
 import warnings
+from typing import List
 
 REHEARSE_ENV = "ANGELGPT_REHEARSE"
+
+
+def played_overrides(steps: int) -> List[str]:
+    """What a rehearsed rank changes in the job's config: `steps` steps that read and write nothing but
+    its report, every one logged and its communication timed."""
+    return [f"train.train_iters={steps}", "train.eval_interval=null", "train.exit_interval=null",
+            "checkpoint.save=null", "checkpoint.load=null", "logging.metrics_file=null",
+            "logging.tensorboard_dir=null", "logging.wandb_project=null", "logging.profile_steps=null",
+            "logging.log_interval=1", "zero_cache.is_communication_time_profiling=true"]
 
 
 def _peak_rss_bytes() -> int:
@@ -79,24 +91,20 @@ def main(argv=None) -> int:
     watch_launcher()
     warnings.filterwarnings("ignore", category=UserWarning)
     warnings.filterwarnings("ignore", category=FutureWarning)
-    import torch
-
     from angelgpt import parallel
-    from angelgpt.config import ConfigError, from_argv
+    from angelgpt.config import ConfigError
     from angelgpt.parallel.log import setup_logging
-    from angelgpt.planner import Machine
-    from angelgpt.train.worker import make_trainer
+    from angelgpt.train.worker import make_trainer, read_run_config
 
     setup_logging(rank_prefix=True)  # this rank's lines, as every rehearsed rank's, shown as '[rank R] ...'
     settings = json.loads(os.environ[REHEARSE_ENV])
     report = {"rank": settings["rank"], "fits": False, "ran_out": None, "error": None}
     trainer, on_gpu, rc = None, False, 0
     try:
-        cfg = from_argv(sys.argv[1:] if argv is None else argv)
-        on_gpu = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
+        cfg = read_run_config(sys.argv[1:] if argv is None else argv)
+        on_gpu = cfg.train.device == "cuda"
         r = parallel.Rehearsal(settings["rank"], settings["world_size"], settings.get("gpu_cap_bytes"))
-        machine = Machine.from_json(settings["machine"]) if settings.get("machine") else None
-        trainer = make_trainer(cfg, r, machine=machine)
+        trainer = make_trainer(cfg, r)
         from megatron.core import parallel_state
 
         report["coordinates"] = {"tp_rank": parallel_state.get_tensor_model_parallel_rank(),

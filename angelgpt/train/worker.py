@@ -1,6 +1,8 @@
-"""torchrun worker: one process per GPU (or CPU rank). `angelgpt train` launches it.
+"""torchrun worker: one process per GPU (or CPU rank), built from the resolved run config that
+`angelgpt train` writes (every 'auto' a value) and names on the worker's command line, its only input.
+`angelgpt train` launches it; `angelgpt train --dry-run` writes the run config and prints the command:
 
-    torchrun --standalone --nproc-per-node 2 -m angelgpt.train.worker --size tiny train.device=cpu
+    torchrun --standalone --nproc-per-node 2 -m angelgpt.train.worker --run-config RUN_DIR/run-config.yaml
 """
 
 from __future__ import annotations
@@ -14,8 +16,36 @@ from angelgpt.parallel.log import get_logger, setup_logging
 
 log = get_logger(__name__)
 
-# set by `angelgpt train`: the run's config file, every 'auto' resolved once by the launcher
-RUN_CONFIG_ENV = "ANGELGPT_RUN_CONFIG"
+RUN_CONFIG_FLAG = "--run-config"
+
+
+def read_run_config(argv):
+    """The worker's command line, `--run-config PATH`: the resolved config at PATH. Anything else on it,
+    or a config still holding an 'auto', is refused (ConfigError, one line)."""
+    from angelgpt.config import ConfigError, parse
+
+    path = None
+    if len(argv) == 2 and argv[0] == RUN_CONFIG_FLAG:
+        path = argv[1]
+    elif len(argv) == 1 and argv[0].startswith(RUN_CONFIG_FLAG + "="):
+        path = argv[0].partition("=")[2]
+    if not path:
+        raise ConfigError(f"the worker takes {RUN_CONFIG_FLAG} PATH (the resolved run config `angelgpt train` "
+                          f"writes; `angelgpt train --dry-run` writes one and prints its command), got "
+                          f"{' '.join(argv) or 'nothing'}")
+    return check_resolved(parse(None, path), path)
+
+
+def check_resolved(cfg, source: str):
+    """`cfg` when no setting of it is 'auto'; else refused (ConfigError) naming them and `source`."""
+    from angelgpt.config import ConfigError
+    from angelgpt.planner import unresolved
+
+    left = unresolved(cfg)
+    if left:
+        raise ConfigError(f"{source} is not a resolved run config: {', '.join(left)} still 'auto' (`angelgpt "
+                          f"train` resolves every 'auto' and writes the run config its workers take)")
+    return cfg
 
 
 def build(cfg, on_gpu: bool, beside_store_bytes: int = 0, rehearsal: bool = False):
@@ -40,27 +70,6 @@ def build(cfg, on_gpu: bool, beside_store_bytes: int = 0, rehearsal: bool = Fals
     return model, optimizer, build_scheduler(optimizer, cfg)
 
 
-def resolve_here(cfg, on_gpu: bool, machine=None, alone: bool = False):
-    """For a worker that was given no resolved config (started by torchrun alone, or a rehearsed rank):
-    every 'auto' made concrete once, by rank 0 from its own machine reading (host memory differs a
-    little from rank to rank), every rank following, the choice printed. A rehearsal (one rank alone,
-    no other rank to broadcast from: `alone`) resolves locally, for the target `machine` the launcher
-    hands it."""
-    import torch.distributed as dist
-
-    from angelgpt.planner import read_this_machine, resolve_config, resolved_line
-
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    nodes = max(1, dist.get_world_size() // local)
-    resolved = None
-    if dist.get_rank() == 0 or alone:
-        resolved, _ = resolve_config(cfg, machine or read_this_machine(cfg.zero_cache, local), local, nodes, on_gpu)
-        line = resolved_line(cfg, resolved)
-        if line and not alone:
-            log.info(line)
-    return resolved if alone else follow_rank0(resolved)
-
-
 def follow_rank0(cfg):
     """Rank 0's config on every rank (what the others pass is replaced)."""
     import torch.distributed as dist
@@ -70,17 +79,16 @@ def follow_rank0(cfg):
     return choice[0]
 
 
-def run(cfg, resolved: bool = False, sharing=None, control=None) -> float:
-    return make_trainer(cfg, resolved=resolved, sharing=sharing, control=control).train()
+def run(cfg, sharing=None, control=None) -> float:
+    return make_trainer(cfg, sharing=sharing, control=control).train()
 
 
-def make_trainer(cfg, rehearse=None, sharing=None, resolved: bool = False, machine=None, control=None):
-    """This rank's Trainer, everything built and resumed, ready to train(). `resolved`: `cfg` has no
-    'auto' left (the launcher's run config), else it is resolved here (`resolve_here`, for `machine`
-    where given). `rehearse` (parallel.Rehearsal): play that rank of its world alone, under the fake
-    process group; `sharing` (parallel.DeviceSharing): the node's ranks on one GPU, as that object arranges.
-    `control` (train.stop.RunControl): the stop requests and phase the worker shares with the loop (one
-    with the signal handlers installed when not given)."""
+def make_trainer(cfg, rehearse=None, sharing=None, control=None):
+    """This rank's Trainer from a resolved config (no 'auto' left: refused otherwise), everything built
+    and resumed, ready to train(). `rehearse` (parallel.Rehearsal): play that rank of its world alone,
+    under the fake process group; `sharing` (parallel.DeviceSharing): the node's ranks on one GPU, as
+    that object arranges. `control` (train.stop.RunControl): the stop requests and phase the worker
+    shares with the loop (one with the signal handlers installed when not given)."""
     import torch
     from megatron.core import parallel_state
 
@@ -92,10 +100,11 @@ def make_trainer(cfg, rehearse=None, sharing=None, resolved: bool = False, machi
     from angelgpt.train.loop import Trainer
     from angelgpt.train.stop import RunControl
 
+    check_resolved(cfg, "the config")
     logging.getLogger("megatron.core.datasets").setLevel(logging.ERROR)  # index-cache chatter on stderr
     if control is None:  # before anything slow: a signal during set-up stops at the first boundary
         control = RunControl().install_signal_handlers()
-    on_gpu = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
+    on_gpu = cfg.train.device == "cuda"
     cfg.check_device(on_gpu)
     if on_gpu and not torch.cuda.is_available():
         raise ConfigError("train.device is 'cuda' but no CUDA GPU is visible")
@@ -104,9 +113,7 @@ def make_trainer(cfg, rehearse=None, sharing=None, resolved: bool = False, machi
     parallel.initialize(cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size, on_gpu,
                         cfg.parallel.distributed_timeout_minutes, rehearse, sharing)
     setup_logging()
-    if not resolved:
-        cfg = resolve_here(cfg, on_gpu, machine, alone=rehearse is not None)
-    elif int(os.environ.get("WORLD_SIZE", "1")) > int(os.environ.get("LOCAL_WORLD_SIZE", "1")):
+    if rehearse is None and int(os.environ.get("WORLD_SIZE", "1")) > int(os.environ.get("LOCAL_WORLD_SIZE", "1")):
         cfg = follow_rank0(cfg)  # several nodes, a launcher each: every rank builds from node 0's resolution
     torch.manual_seed(cfg.train.seed)
     if on_gpu:
@@ -140,22 +147,21 @@ def make_trainer(cfg, rehearse=None, sharing=None, resolved: bool = False, machi
 
 
 def main(argv=None, sharing=None) -> int:
-    """The worker's entry: the run config the launcher wrote (ANGELGPT_RUN_CONFIG), else the config its
-    command line gives (`--size`, `--config`, KEY=VALUE). `sharing` (parallel.DeviceSharing): the node's
-    ranks on one GPU, as that object arranges."""
+    """The worker's entry: `--run-config PATH`, the resolved run config (`read_run_config`); bad input
+    is one line from rank 0 and exit code 2. `sharing` (parallel.DeviceSharing): the node's ranks on one
+    GPU, as that object arranges."""
     from angelgpt.train.lifetime import watch_launcher
 
     watch_launcher()  # a worker of `angelgpt train` ends when the launcher does, SIGKILL included
     warnings.filterwarnings("ignore", category=UserWarning)
     warnings.filterwarnings("ignore", category=FutureWarning)
-    from angelgpt.config import ConfigError, from_argv, parse
+    from angelgpt.config import ConfigError
     from angelgpt.train.stop import RunControl
 
-    run_config = os.environ.get(RUN_CONFIG_ENV)
     control = RunControl().install_signal_handlers()
     try:
-        cfg = parse(None, run_config) if run_config else from_argv(sys.argv[1:] if argv is None else argv)
-        run(cfg, resolved=bool(run_config), sharing=sharing, control=control)
+        cfg = read_run_config(sys.argv[1:] if argv is None else argv)
+        run(cfg, sharing=sharing, control=control)
     except ConfigError as exc:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"angelgpt: error: {exc}", file=sys.stderr, flush=True)

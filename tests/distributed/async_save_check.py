@@ -17,6 +17,7 @@ warnings.filterwarnings("ignore")
 
 def main() -> None:
     from angelgpt.config import parse
+    from angelgpt.planner import MACHINES, resolve_config
     from angelgpt.train import checkpoint, checkpoint_writer
     from angelgpt.train.worker import make_trainer
 
@@ -24,6 +25,7 @@ def main() -> None:
     cfg = parse("tiny", None, ["train.device=cpu", "optim.optimizer=zero_cache", "train.train_iters=4",
                                  "checkpoint.save_interval=2", f"checkpoint.save={async_dir}",
                                  "checkpoint.async_save=true", "logging.log_interval=1"])
+    cfg, _ = resolve_config(cfg, MACHINES["h200"], 2, 1, on_gpu=False)  # on the CPU: the machine's figures unused
     trainer = make_trainer(cfg)
     stepped = threading.Event()
 

@@ -2,7 +2,7 @@
 (before the optimizer closes, every update applied), compares this rank's copy of the tied word
 embeddings (the first stage's embedding, the last stage's output weight) with the other stage's.
 
-    torchrun --nproc-per-node 2 tests/distributed/pipeline_tied_check.py OUT_DIR --size tiny KEY=VALUE...
+    torchrun --nproc-per-node 2 tests/distributed/pipeline_tied_check.py OUT_DIR --run-config RUN_CONFIG
 
 Writes OUT_DIR/rank<R>.json: stage, whether the two copies are bitwise equal, their largest difference,
 and how far this copy moved from its initial value. ANGELGPT_CHECK_NO_EMBEDDING_SYNC=1 leaves the

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, check_one_line_error, run_cli, train_tiny
+from tests.helpers import ROOT, check_one_line_error, dry_run, run_cli, run_config_in, train_tiny
 
 pytestmark = pytest.mark.distributed
 
@@ -70,9 +70,11 @@ def tied_check(tmp_path, *overrides, drop_sync=False):
     out = tmp_path / "tied"
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
                ANGELGPT_CHECK_NO_EMBEDDING_SYNC="1" if drop_sync else "0")
+    resolved, printed = dry_run(tmp_path, "--size", "tiny", "--device", "cpu", "--nproc-per-node", "2",
+                                "parallel.pipeline_model_parallel_size=2", "train.train_iters=5", *overrides)
+    assert printed is not None, resolved.stderr[-3000:]
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(CHECK), str(out), "--size", "tiny", "train.device=cpu",
-                           "parallel.pipeline_model_parallel_size=2", "train.train_iters=5", *overrides],
+                           str(CHECK), str(out), "--run-config", run_config_in(printed)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]

@@ -1,8 +1,8 @@
 """A training worker whose ranks all share GPU 0 under a gloo default group (tests/shared_device.py's
 SharedDevice, an angelgpt.parallel.DeviceSharing): several ranks where one GPU is lent. Started by
-torchrun, as tests/helpers.py's `train_shared_gpu` does:
+torchrun on a resolved run config, as tests/helpers.py's `train_shared_gpu` does:
 
-    torchrun --standalone --nproc-per-node 2 tests/gpu/shared_gpu_worker.py --size tiny ...
+    torchrun --standalone --nproc-per-node 2 tests/gpu/shared_gpu_worker.py --run-config RUN_DIR/run-config.yaml
 """
 
 import sys

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.helpers import check_one_line_error, run_cli
+from tests.helpers import check_one_line_error, dry_run, run_cli, run_config_in
 
 CASES = {
     "unknown preset": (["train", "--size", "nope"], "unknown preset 'nope'"),
@@ -53,13 +53,22 @@ def test_yaml_not_a_mapping(tmp_path):
     check_one_line_error(run_cli("train", "--config", bad), "must hold a mapping")
 
 
-def test_dry_run_prints_command_and_exits_0():
-    proc = run_cli("train", "--size", "tiny", "--device", "cpu", "--nproc-per-node", "2", "--dry-run", "num_layers=3")
+def test_dry_run_prints_command_writes_its_run_config_and_exits_0(tmp_path):
+    """The command printed names the run config the dry run wrote: the config printed, resolved."""
+    import yaml
+
+    proc, cmd = dry_run(tmp_path, "--size", "tiny", "--device", "cpu", "--nproc-per-node", "2", "num_layers=3")
     assert proc.returncode == 0, proc.stderr
     assert "num_layers: 3" in proc.stdout
     line = next(l for l in proc.stdout.splitlines() if l.startswith("torchrun command: "))
-    assert "-m torch.distributed.run --nproc-per-node 2 --standalone --signals-to-handle SIGHUP,SIGQUIT -m angelgpt.train.worker" in line
-    assert "num_layers=3" in line and "train.device=cpu" in line
+    assert "-m torch.distributed.run --nproc-per-node 2 --standalone --signals-to-handle SIGHUP,SIGQUIT -m angelgpt.train.worker --run-config " in line
+    path = run_config_in(cmd)
+    assert cmd[-2:] == ["--run-config", path] and path.startswith(str(tmp_path))
+    assert f"run config: {path} " in proc.stdout
+    written = yaml.safe_load(open(path))
+    assert written["model"]["num_layers"] == 3 and written["train"]["device"] == "cpu"
+    printed = yaml.safe_load(proc.stdout.split("\nparams: ")[0])
+    assert written == printed
 
 
 def test_help_does_not_import_torch_distributed():

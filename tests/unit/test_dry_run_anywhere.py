@@ -1,12 +1,21 @@
 """`angelgpt train --dry-run` on a machine without a GPU: the checks that need CUDA are for the machine
-that will run the job, so a GPU job's dry run prints its config and torchrun command here too; with
---machine NAME it prints the plan for that catalogue machine, its 'auto' values resolved."""
+that will run the job, so a GPU job's dry run prints its config here too, and in place of the torchrun
+command that the machine that runs the job resolves it; with --machine NAME it prints the plan for that
+catalogue machine, its 'auto' values resolved, and the command on the run config it wrote."""
 
 import pytest
 
 from tests.helpers import check_one_line_error, run_cli_in_process as run_cli
 
 JOB = ("train", "--size", "55", "--nproc-per-node", "8", "--dry-run")
+
+
+@pytest.fixture(autouse=True)
+def run_configs_in_tmp_path(tmp_path, monkeypatch):
+    """A dry run's run config goes to a directory of its own under the temporary directory: this test's."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
 
 
 @pytest.fixture(scope="module")
@@ -26,9 +35,9 @@ def test_gpu_job_dry_run_without_a_gpu_prints_config_command_and_skips_the_plan(
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == ""
     assert "num_layers: 68" in proc.stdout and "params: 55,198,007,296" in proc.stdout
-    line = _torchrun_line(proc)
-    assert "--nproc-per-node 8 --standalone --signals-to-handle SIGHUP,SIGQUIT -m angelgpt.train.worker --size 55" in line
-    assert "train.device=cpu" not in line  # the job runs on the target's GPUs
+    line = _torchrun_line(proc)  # nothing resolved here, so no run config to run on
+    assert line.startswith("torchrun command: none: its run config is resolved for the machine that runs the job")
+    assert "run config: " not in proc.stdout
     skipped = [l for l in proc.stdout.splitlines() if l.startswith("plan: skipped")]
     assert len(skipped) == 1 and "no GPU is visible" in skipped[0], proc.stdout
     assert "resolved:" not in proc.stdout
@@ -42,7 +51,7 @@ def test_dry_run_with_machine_prints_that_machines_plan(no_gpu):
 
     proc = run_cli(*JOB, "--machine", "a100-40gx8")
     assert proc.returncode == 0, proc.stderr
-    assert "--nproc-per-node 8" in _torchrun_line(proc)
+    assert "--nproc-per-node 8" in _torchrun_line(proc) and "-m angelgpt.train.worker --run-config " in _torchrun_line(proc)
     assert "plan: skipped" not in proc.stdout
     assert "target machine: a100-40gx8 (8 x A100 39.4 GiB" in proc.stdout
     # the 'auto' values resolved for the target's GPUs, and the plan of that config for it
@@ -54,6 +63,12 @@ def test_dry_run_with_machine_prints_that_machines_plan(no_gpu):
     assert (f"plan: {planned.system} needs {planned.gpu_total / GIB:.1f} GiB per GPU and "
             f"{planned.host_total / GIB:.1f} GiB of host memory per node") in plan_line, plan_line
     assert f"zero_cache.device_update_fraction={cfg.zero_cache.device_update_fraction}" in resolved
+    # the command's run config: that resolved config, every 'auto' a value
+    from angelgpt.planner import unresolved
+    from angelgpt.train.worker import read_run_config
+
+    path = _torchrun_line(proc).split("--run-config ")[1]
+    assert read_run_config(["--run-config", path]) == cfg and unresolved(cfg) == []
 
 
 def test_dry_run_with_machine_takes_its_gpus_per_node(no_gpu):
@@ -66,7 +81,8 @@ def test_dry_run_with_machine_takes_its_gpus_per_node(no_gpu):
 def test_device_cuda_dry_run_without_a_gpu(no_gpu):
     proc = run_cli("train", "--size", "55", "--device", "cuda", "--dry-run")
     assert proc.returncode == 0, proc.stderr
-    assert "train.device=cuda" in _torchrun_line(proc) and "plan: skipped" in proc.stdout
+    assert "device: cuda" in proc.stdout and "plan: skipped" in proc.stdout
+    assert _torchrun_line(proc).startswith("torchrun command: none: ")
 
 
 @pytest.mark.parametrize("args, needle", [
