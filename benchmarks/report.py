@@ -7,7 +7,9 @@ The text is benchmarks/BENCHMARKS.md.template (Jinja2), every word of it there; 
 result files under benchmarks/results/ and hands the template the data: the newest run of each case (a
 case run again is NAME-runN.json beside NAME.json, and the earlier runs get a table of their own), each
 system's largest completed size, the goal ratios with the same-call check behind them (two files compare
-only when they share `call` and `machine`: benchmarks.results records both), how each run's micro
+only when they share `call` and `machine`: benchmarks.results records both), each run's measured steps
+(its records after warm-up, which its medians are taken over: a headline figure rests on MEASURED_LEAST of
+them at least, and one that rests on fewer is flagged beside it, with no verdict), how each run's micro
 batches' gradients added up (ZeRO-Cache's runs before commit da83288 added up in bf16;
 `optim.accumulate_grads_in_fp32`, fp32, is the default since: a system's largest size and the goals take
 runs of the default, the bf16 runs are shown as the opt-out's), ZeRO-Cache's time profile, and `f`
@@ -32,6 +34,11 @@ NOTABLE = ("model.recompute", "zero_cache.prefetch_cache_sub_group_rate", "optim
            "zero_cache.nvme_path", "zero_cache.cpu_adam", "optim.accumulate_grads_in_fp32",
            "optim.store_param_remainders", "optim.exp_avg_dtype", "optim.exp_avg_sq_dtype",
            "model.num_attention_heads", "model.kv_channels")
+
+# a headline figure (a largest size, a speed, a goal ratio) rests on this many measured steps at least (the
+# steps after warm-up, which a run's medians are taken over); one that rests on fewer is shown flagged beside
+# the figure, with no verdict, and is left out of peers.png
+MEASURED_LEAST = 3
 
 # commit da83288 made optim.accumulate_grads_in_fp32 (true) the default; ZeRO-Cache's runs before it added up
 # micro batches' gradients in bf16, Megatron's optimizers always in fp32 (grad_reduce_in_fp32)
@@ -80,13 +87,22 @@ def settings(r: dict) -> str:
     return ", ".join(f"{k}={v}" for k, v in found.items()) or "-"
 
 
+def measured_steps(r: dict) -> int:
+    """The steps a result file's medians are taken over: its records after the warm-up
+    (`iteration` > `warmup_iters`, as benchmarks.train takes them)."""
+    warmup = int(r.get("warmup_iters") or 0)
+    return sum(1 for x in r.get("records") or [] if x.get("iteration", 0) > warmup)
+
+
 def row(f: Path, r: dict) -> dict:
     system, rest = r["name"].split("-", 1)[1].rsplit("-L", 1)  # FAMILY-SYSTEM-Llayers-mbM-gbG[-...]
     records = r.get("records", [])
+    measured = measured_steps(r)
     profiles = [x["zero_cache_profile"] for x in records[r.get("warmup_iters", 0):] if x.get("zero_cache_profile")]
     mb, gb = (int(x[2:]) for x in rest.split("-")[1:3])
     return dict(file=f.name, raw=r, system=system, layers=int(rest.split("-")[0]), mb=mb, gb=gb,
                 ok=r["returncode"] == 0 and len(records) >= 3, steps=len(records), params=None,
+                warmup=int(r.get("warmup_iters") or 0), measured=measured, headline=measured >= MEASURED_LEAST,
                 tflops=r.get("tflops_per_gpu_median"), tokens=r.get("tokens_per_s_median"),
                 gpu=r.get("peak_gpu_gib"), host=r.get("peak_host_gib"), oom=r.get("oom"),
                 oom_kind=r.get("oom_kind"), refused=r.get("refused"), commit=r.get("commit", "")[:10],
@@ -132,9 +148,11 @@ def pick(xs, ys, figure):
 
 def goal(kind: str, target: float, x=None, y=None, constant=None, **about) -> dict:
     """One goal line's data: `kind` and `about` say which (the template words it), x and y the two runs
-    of a ratio (or x and a constant number of parameters), `check` whether they compare and `verdict`
-    'met', 'missed' or None (measured, but not a goal result); `value` None when not measured."""
-    g = dict(kind=kind, target=target, x=x, y=y, value=None, check=None, verdict=None, **about)
+    of a ratio (or x and a constant number of parameters), `check` whether they compare, `fewest` the
+    fewer measured steps of its runs and `verdict` 'met', 'missed' or None (measured, but not a goal
+    result: its runs are not of one call, or one has fewer than MEASURED_LEAST measured steps); `value`
+    None when not measured."""
+    g = dict(kind=kind, target=target, x=x, y=y, value=None, check=None, verdict=None, fewest=None, **about)
     if x is None or (y is None and constant is None):
         return g
     if y is None:
@@ -142,7 +160,8 @@ def goal(kind: str, target: float, x=None, y=None, constant=None, **about) -> di
     else:
         key = "params" if kind.startswith("size") else "tflops"
         g.update(value=x[key] / y[key], check=same_call(x["raw"], y["raw"]))
-    if g["check"] in ("same call", "one run"):
+    g["fewest"] = min(r["measured"] for r in (x, y) if r is not None)
+    if g["check"] in ("same call", "one run") and g["fewest"] >= MEASURED_LEAST:
         g["verdict"] = "met" if g["value"] >= target else "missed"
     return g
 
@@ -271,8 +290,10 @@ def generate(results: Path):
     for r in rows + [e for e, _ in earlier]:  # the case's own shape where it changed more than the layers
         r["params"] = num_params(parse("h200-16b", overrides=[*r["shape"], f"model.num_layers={r['layers']}"]))
     text, best = _text(rows, earlier, counted, cases, llama_family(cases))
+    # peers.png's speeds: headline figures only (MEASURED_LEAST measured steps or more)
     at = {(r["system"], r["layers"]): max((x["tflops"] for x in counted if x["system"] == r["system"] and current(x)
-                                            and x["layers"] == r["layers"] and x["ok"] and x["tflops"]), default=0)
+                                            and x["layers"] == r["layers"] and x["ok"] and x["headline"]
+                                            and x["tflops"]), default=0)
           for r in counted}
     return text, (best, at, counted)
 
@@ -283,7 +304,7 @@ LLAMA_PRESET, LLAMA_SHAPE, LLAMA_3_8B = "llama3-8b", ["model.seq_length=4096"], 
 
 def llama_family(cases) -> dict:
     """The Llama family's part (benchmarks/peers.py --family llama, llama-SYSTEM-L... files): {rows, largest,
-    goals, eight_b}: each case's newest run, each system's largest size that completed 3 measured steps,
+    goals, eight_b}: each case's newest run, each system's largest size that completed MEASURED_LEAST measured steps,
     whether each trains Llama-3-8B (32 layers), ZeRO-Cache's speed at Megatron's largest against Megatron's
     (goal 1.0x) and at its own largest against Megatron's at its largest (goal 0.75x)."""
     from angelgpt.config import parse
@@ -293,8 +314,7 @@ def llama_family(cases) -> dict:
     for case in sorted(c for c in cases if c.startswith("llama-")):
         r = row(*cases[case][-1])
         r["params"] = num_params(parse(LLAMA_PRESET, overrides=[*LLAMA_SHAPE, f"model.num_layers={r['layers']}"]))
-        r["measured"] = max(0, r["steps"] - int(r["raw"].get("warmup_iters") or 0))
-        r["ok"] = r["ok"] and r["measured"] >= 3
+        r["ok"] = r["ok"] and r["headline"]
         rows.append(r)
     done = {s: [r for r in rows if r["system"] == s and r["ok"] and r["tflops"]] for s in LLAMA_SYSTEMS}
     largest = {s: max(done[s], key=lambda r: r["layers"]) for s in LLAMA_SYSTEMS if done[s]}
@@ -329,7 +349,7 @@ def _text(rows, earlier, counted, cases, llama):
                   largest=largest(counted, best, best_any, opt_out),
                   goals=goals(best, best_any, opt_out, every),
                   profiled=sorted((r for r in rows if r["profile"]), key=lambda r: (r["layers"], r["gb"])),
-                  f=Figures(cases), label=LABEL, systems=SYSTEMS, llama=llama)
+                  f=Figures(cases), label=LABEL, systems=SYSTEMS, llama=llama, least=MEASURED_LEAST)
     return text, best
 
 
@@ -344,8 +364,13 @@ def chart(path: Path, best, at, rows) -> bool:
         return False
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     names = [s for s in SYSTEMS if s in best]
-    ax1.bar([f"{LABEL[s][:3]}\nbatch {best[s]['gb']}" for s in names], [best[s]["params"] / 1e9 for s in names],
-            color="tab:blue")
+    # a size whose run has fewer than MEASURED_LEAST measured steps is drawn hatched and said so under its bar
+    bars = ax1.bar([f"{LABEL[s][:3]}\nbatch {best[s]['gb']}" + ("" if best[s]["headline"] else
+                                                                f"\n{best[s]['measured']} measured steps")
+                    for s in names], [best[s]["params"] / 1e9 for s in names], color="tab:blue")
+    for bar, s in zip(bars, names):
+        if not best[s]["headline"]:
+            bar.set_hatch("//")
     ax1.set_ylabel("largest model (B parameters)")
     ax1.set_title("Largest size measured to complete 3 steps, one H200\n(each system's default, at its global batch)",
                   fontsize=9)
@@ -357,7 +382,8 @@ def chart(path: Path, best, at, rows) -> bool:
     ax2.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(sizes))])
     ax2.set_xticklabels([f"{L} layers" for L in sizes])
     ax2.set_ylabel("model TFLOP/s per GPU")
-    ax2.set_title("Throughput at each system's largest size")
+    ax2.set_title(f"Throughput at each system's largest size\n(runs of {MEASURED_LEAST} measured steps or more)",
+                  fontsize=9)
     ax2.legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

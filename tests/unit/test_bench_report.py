@@ -2,8 +2,11 @@
 filling benchmarks/BENCHMARKS.md.template) run on the committed files into a temporary directory gives
 the committed BENCHMARKS.md; every number of its notes is in the result file named beside it; a note
 whose file is missing is left out, and said so; a goal ratio of two files from different device calls
-is not given as a goal result."""
+is not given as a goal result. The headline (each system's largest size and peers.png) comes before the
+goals and the runs; every run says its measured steps (its records after warm-up); a headline figure
+resting on fewer than 3 measured steps says so beside it, with no verdict."""
 
+import itertools
 import json
 import re
 import shutil
@@ -181,5 +184,119 @@ def test_a_case_that_changes_the_shape_counts_its_own_parameters():
     """The 28 preset's shape (128 heads of 128 where the 55's has 64) at 26 layers: 28.35B, not the
     55-shape count of 26 layers."""
     text, _ = generate(RESULTS)
-    line = next(x for x in text.splitlines() if "`peers-zero_cache-L26-mb2-gb8-heads128-" in x)
+    runs = text.split("\n## Runs\n", 1)[1]
+    line = next(x for x in runs.splitlines() if "`peers-zero_cache-L26-mb2-gb8-heads128-" in x)
     assert line.split(" | ")[2] == "28.35B", line
+
+
+FLAG = "2 measured steps: below 3, not a headline figure"
+
+
+def steady(result: dict) -> list:
+    """The records a result file's medians are taken over: those after `warmup_iters`."""
+    return [x for x in result.get("records", []) if x["iteration"] > result.get("warmup_iters", 0)]
+
+
+def measured(result: dict) -> int:
+    return len(steady(result))
+
+
+def cells(line: str) -> list:
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def table(text: str, heading: str) -> list:
+    """The rows of the first table under `heading`, as {column: cell}."""
+    after = text.split(f"\n{heading}\n", 1)[1].splitlines()
+    start = next(i for i, x in enumerate(after) if x.startswith("|"))
+    lines = list(itertools.takewhile(lambda x: x.startswith("|"), after[start:]))
+    return [dict(zip(cells(lines[0]), cells(x))) for x in lines[2:]]
+
+
+def test_the_headline_comes_before_the_goals_and_the_runs(committed):
+    at = [committed.index(x) for x in ("\n## Largest model that completes 3 optimizer steps\n",
+                                        "](benchmarks/peers.png)\n", "\n## Goals\n", "\n## Runs\n",
+                                        "\n## The Llama family", "\n## Notes\n")]
+    assert at == sorted(at), at
+    assert not re.search(r"^\|", committed.split("\n## Largest model", 1)[0], re.M)  # no table before it
+
+
+def test_every_run_says_its_measured_steps(committed):
+    """The runs tables' measured steps are each file's records after warm-up, the steps its median
+    TFLOP/s is taken over, and the warm-up steps it ran beside them."""
+    rows = table(committed, "## Runs") + table(committed, "### Earlier runs of a case")
+    assert len(rows) > 60
+    warmed = 0
+    for row in rows:
+        r = json.loads((RESULTS / row["result file"].strip("`")).read_text())
+        n, cell = measured(r), row["measured steps (+ warm-up)"]
+        assert int(cell.split()[0]) == n, (row["result file"], cell)
+        if len(r["records"]) > n:
+            assert f"(+{len(r['records']) - n} warm-up)" in cell, (row["result file"], cell)
+            warmed += 1
+        if n:
+            median = statistics.median(x["tflops_per_gpu"] for x in steady(r))
+            assert median == pytest.approx(r["tflops_per_gpu_median"]), row["result file"]
+    assert warmed > 40
+    run2 = next(x for x in rows if x["result file"].startswith("`peers-zero_cache-L7-mb2-gb32-recomputenone-run2."))
+    assert run2["measured steps (+ warm-up)"] == "2 (+2 warm-up)"
+
+
+def test_a_headline_figure_on_fewer_than_3_measured_steps_is_flagged(tmp_path):
+    """A largest size or a goal ratio whose run has 2 measured steps says so beside the figure, gets no
+    verdict and stays out of peers.png's speeds; with 3 measured steps the same runs are headline figures."""
+    results = tmp_path / "results"
+    results.mkdir()
+    for case in (A7, D7):
+        shutil.copy(RESULTS / f"{case}.json", results)
+
+    def with_steps(n):
+        for case in (A7, D7):
+            rerun(results, case, "call-1")
+            r = json.loads((results / f"{case}-run2.json").read_text())
+            r["records"] = r["records"][:r["warmup_iters"] + n]
+            r["tflops_per_gpu_median"] = statistics.median(x["tflops_per_gpu"] for x in steady(r))
+            assert measured(r) == n
+            (results / f"{case}-run2.json").write_text(json.dumps(r))
+        text, (_, at, _) = generate(results)
+        head = text.split("\n## Runs\n", 1)[0]
+        size = next(x for x in table(text, "## Largest model that completes 3 optimizer steps")
+                    if x["system"] == "(a) Megatron distributed optimizer")
+        goals = [x for x in table(text, "## Goals") if x["measured"] != "not measured"]
+        speed = next(x for x in goals if x["goal"].startswith("speed: (d) / (a) at (a)'s largest"))
+        return head, size, speed, at, goals
+
+    head, size, speed, at, goals = with_steps(2)
+    assert size["measured steps"] == FLAG and size["result file"] == f"`{A7}-run2.json`", size
+    assert speed["measured steps"] == "2 / 2" and speed["measured"].endswith(f"x ({FLAG})"), speed
+    assert speed[""] == "not a goal result" and speed["device call"] == "same call", speed
+    assert len(goals) >= 3 and all(g["measured"].endswith(f"x ({FLAG})") and g[""] == "not a goal result"
+                                   for g in goals), goals
+    assert at[("megatron", 7)] == 0 and at[("zero_cache", 7)] == 0
+
+    head, size, speed, at, goals = with_steps(3)
+    assert size["measured steps"] == "3" and speed["measured steps"] == "3 / 3", (size, speed)
+    assert all(g[""] in ("met", "missed") for g in goals) and "below 3" not in head, goals
+    assert at[("megatron", 7)] > 0 and at[("zero_cache", 7)] > 0
+
+
+def test_the_llama_section_stands_without_its_runs_or_a_profile(tmp_path, committed):
+    """BENCHMARKS.md's Llama section says "not measured" while no llama-* file exists, also where no
+    run has ZeRO-Cache's time profile; a Llama-3-8B run of 2 measured steps is not a goal result."""
+    def llama(text):
+        return text.split("\n## The Llama family", 1)[1].split("\n## ", 1)[0]
+
+    eight_b = "| (a) Megatron distributed optimizer trains Llama-3-8B (32 layers) | trains |"
+    results = tmp_path / "results"
+    results.mkdir()
+    shutil.copy(RESULTS / f"{A7}.json", results)
+    text, _ = generate(results)
+    assert "## ZeRO-Cache time profile" not in text
+    for part in (llama(committed), llama(text)):
+        assert f"{eight_b} not measured |" in part and "| not measured yet |" in part
+
+    r = json.loads((RESULTS / f"{A7}.json").read_text())
+    r.update(name="llama-megatron-L32-mb1-gb32", records=r["records"][:r["warmup_iters"] + 2])
+    (results / "llama-megatron-L32-mb1-gb32.json").write_text(json.dumps(r))
+    part = llama(generate(results)[0])
+    assert f"{eight_b} {FLAG} | not a goal result | `llama-megatron-L32-mb1-gb32.json` |" in part, part
