@@ -55,7 +55,7 @@ def num_params(cfg: Config) -> int:
 
 
 def format_params(n: int) -> str:
-    """A parameter count in a unit that fits, as the README's Presets table writes it: 0.14M, 124.5M,
+    """A parameter count in a unit that fits, as docs/presets.md's table writes it: 0.14M, 124.5M,
     1.316B, 55.198B."""
     if n >= 10**9:
         return f"{n / 1e9:.3f}B"

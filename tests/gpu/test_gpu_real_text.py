@@ -1,4 +1,4 @@
-"""Real text on a GPU, as the README's data section has a user do it: a SentencePiece tokenizer and
+"""Real text on a GPU, as docs/data.md has a user do it: a SentencePiece tokenizer and
 `data prepare` on the shared tinyshakespeare text, then a few hundred training iterations with the
 default optimizer (Megatron's), saved at the end and evaluated from the checkpoint. Skipped without
 CUDA."""

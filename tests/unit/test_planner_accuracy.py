@@ -168,14 +168,14 @@ def test_rehearsal_comparison_on_a_synthetic_report():
     assert found["10"] == ({}, None) and found["11"][0] == {"step": (10.6, 9.0)}
 
 
-def test_the_readme_rehearsal_tables_hold_what_their_files_say():
-    """README's tables of rehearsals: each row's figures are those of the result file named in it (rank 0
+def test_the_rehearsal_tables_hold_what_their_files_say():
+    """docs/rehearsal.md's tables of rehearsals: each row's figures are those of the result file named in it (rank 0
     in the table of presets, the row's rank in the table of pipeline stages); the step measured is the
     median of steps 2.. of forward-backward plus optimizer step beside the planner's step on the H200,
     or, for a report without that prediction, forward-backward beside the planner's compute there."""
     import statistics
 
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "rehearsal.md").read_text()
     rows = [line for line in text.splitlines() if line.startswith("| ") and "`rehearse-" in line]
     assert len(rows) >= 12
     for row in rows:

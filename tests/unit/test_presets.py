@@ -118,11 +118,11 @@ def test_format_params():
         ["0.14M", "3.3M", "124.5M", "1.316B", "55.198B"]
 
 
-def test_readme_presets_table_matches_the_code():
-    """README's Presets table: a row for every preset in `angelgpt presets list`'s order, its shape and
+def test_presets_table_matches_the_code():
+    """docs/presets.md's table: a row for every preset in `angelgpt presets list`'s order, its shape and
     params column as that list prints them (the exact count from num_params); `custom`, no preset, is
     named out of the table."""
-    text = (ROOT / "README.md").read_text().split("## Presets", 1)[1]
+    text = (ROOT / "docs" / "presets.md").read_text().split("# Presets", 1)[1]
     table = [line for line in text.split("\n\n", 2)[1].splitlines() if line.startswith("| ")]
     header = [c.strip() for c in table[0].strip("|").split("|")]
     rows = [dict(zip(header, [c.strip() for c in line.strip("|").split("|")])) for line in table[1:]]

@@ -1,7 +1,8 @@
-"""README.md's figures that come from the planner are what it gives now: the table of the reference node
-(each preset as shipped on 8x A100-40G with 1000 GiB host, as `angelgpt plan --size NAME --machine
-a100-40gx8 --host-mem 1000` plans it, every system) and the activations at TP 1 beside it. (The presets
-table: tests/unit/test_presets.py; the bytes a parameter: tests/unit/test_zero_cache_precision.py.)"""
+"""docs/zero-cache-and-planner.md's figures that come from the planner are what it gives now: the table
+of the reference node (each preset as shipped on 8x A100-40G with 1000 GiB host, as `angelgpt plan --size
+NAME --machine a100-40gx8 --host-mem 1000` plans it, every system) and the activations at TP 1 beside
+it. (The presets table, docs/presets.md: tests/unit/test_presets.py; the bytes a parameter:
+tests/unit/test_zero_cache_precision.py.)"""
 
 from angelgpt.config import parse
 from angelgpt.model.flops import num_params
@@ -9,17 +10,17 @@ from angelgpt.planner import GIB, machine_from, plan
 from angelgpt.planner.memory import activation_bytes
 from tests.helpers import ROOT
 
-README = (ROOT / "README.md").read_text()
-REFERENCE = "### The planner beside the reference system's node"
+DOC = (ROOT / "docs" / "zero-cache-and-planner.md").read_text()
+REFERENCE = "## The planner beside the reference system's node"
 SYSTEMS = ("zero_cache", "zero3_offload", "megatron", "megatron_cpu_offload")  # the table's column order
 BOUND = {"compute": "compute", "cpu_optimizer": "the host update on the CPU", "pcie_h2d": "PCIe uploads",
          "pcie_d2h": "PCIe downloads", "network": "the network", "activation_offload": "the activation offload"}
 
 
 def _section(title: str) -> str:
-    start = README.index(title)
-    end = README.find("\n#", start + len(title))
-    return README[start:end if end > 0 else len(README)]
+    start = DOC.index(title)
+    end = DOC.find("\n#", start + len(title))
+    return DOC[start:end if end > 0 else len(DOC)]
 
 
 def _rows(text: str) -> list:
@@ -73,7 +74,7 @@ def reference_rows() -> dict:
     return rows
 
 
-def test_readmes_reference_node_table_is_the_planners():
+def test_reference_node_table_is_the_planners():
     table = _section(REFERENCE)
     assert "`angelgpt plan --size 28 --machine a100-40gx8 --host-mem 1000`" in table
     header = _rows("| h |\n|---|\n" + "\n".join(line for line in table.splitlines() if line.startswith("| preset")))
@@ -81,11 +82,11 @@ def test_readmes_reference_node_table_is_the_planners():
                        "Megatron CPU offload"]]
     written = {row[0].split(" ")[0]: row for row in _rows(table)}
     for name, row in reference_rows().items():
-        assert written.get(name) == row, f"README's reference-node row of {name}; the planner gives:\n" \
+        assert written.get(name) == row, f"docs/zero-cache-and-planner.md's reference-node row of {name}; the planner gives:\n" \
                                          f"| {' | '.join(row)} |"
 
 
-def test_readmes_activations_at_tp_1_are_the_planners():
+def test_activations_at_tp_1_are_the_planners():
     """The reference micro batches' activations on one GPU (TP 1, no sequence parallelism), full recompute."""
     text = " ".join(_section(REFERENCE).split())
     figures = {}

@@ -287,18 +287,19 @@ def test_placement_counts_what_the_store_allocates(megatron_single_rank, tmp_pat
         opt.close()
 
 
-def test_the_readmes_bytes_per_parameter_are_the_placements():
-    """README's and zero_cache/README.md's tables of bytes a parameter: the 2-byte weight, the states
-    placement counts (placement.state_bytes) and a 4-byte (fp32 sums) or 2-byte gradient."""
+def test_the_docs_bytes_per_parameter_are_the_placements():
+    """docs/zero-cache-and-planner.md's and zero_cache/README.md's tables of bytes a parameter: the
+    2-byte weight, the states placement counts (placement.state_bytes) and a 4-byte (fp32 sums) or
+    2-byte gradient."""
     import re
     from pathlib import Path
 
     from angelgpt.zero_cache.placement import state_bytes
 
     root = Path(__file__).resolve().parents[2]
-    readme = (root / "README.md").read_text()
+    guide = (root / "docs" / "zero-cache-and-planner.md").read_text()
     said = lambda x: float(f"{x:.2f}")  # noqa: E731  (the tables give two decimals)
-    rows = re.findall(r"\| (false|true)[^|]*\| (fp32|bf16|fp8)[^|]*\| ([\d.]+) \| ([\d.]+) \|", readme)
+    rows = re.findall(r"\| (false|true)[^|]*\| (fp32|bf16|fp8)[^|]*\| ([\d.]+) \| ([\d.]+) \|", guide)
     assert len(rows) == 4
     for remainders, moments, fp32_sums, bf16_sums in rows:
         states = state_bytes(remainders == "true", moments, moments)
