@@ -1,6 +1,20 @@
 # Sourced by the device scripts: installs the wheels carried in .whl/ (megatron-core and what else the
-# offline GPU machine lacks) into /tmp/site and puts it on PYTHONPATH.
+# offline GPU machine lacks) into /tmp/site and puts it on PYTHONPATH. .whl/ may hold builds for several
+# Python versions (the device's Python can differ from this checkout's); only those this python3 supports
+# are installed.
 if ls .whl/*.whl > /dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  mapfile -t _wheels < <(python3 - .whl/*.whl <<'PY'
+import sys
+from pip._vendor.packaging.tags import sys_tags
+from pip._vendor.packaging.utils import parse_wheel_filename
+
+supported = set(sys_tags())
+for path in sys.argv[1:]:
+    name, _, _, tags = parse_wheel_filename(path.rsplit("/", 1)[-1])
+    if tags & supported:
+        print(path)
+PY
+)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "${_wheels[@]}"
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
