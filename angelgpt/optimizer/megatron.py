@@ -82,10 +82,15 @@ class MegatronDistributedOptimizer(Optimizer):
         return sorted(classes, key=lambda c: f"{c.__module__}.{c.__qualname__}")
 
     def reload_model_params(self) -> None:
-        self.inner.reload_model_params()  # the model's weights into Megatron's fp32 main params
-        if self.offloaded:  # and those into the HybridDeviceOptimizers' host copies, which its step updates
-            for hybrid in _torch_optimizers(self.inner):
-                _refresh_host_copies(hybrid)
+        if not self.offloaded:
+            self.inner.reload_model_params()  # the model's weights into Megatron's fp32 main params
+            return
+        # Megatron's reload hands a HybridDeviceOptimizer only its own fp32 copies (none here: its params
+        # are Megatron's fp32 main params): the main params are filled from the model here, then the
+        # host copies its step updates from them
+        for distributed in _distributed_optimizers(self.inner):
+            _main_params_from_model(distributed)
+            _refresh_host_copies(distributed.optimizer)
 
     def load_state_dict(self, state: dict) -> None:
         distributed = _distributed_optimizers(self.inner)
@@ -127,6 +132,18 @@ def _settle_hybrid(hybrid) -> None:
                 if torch.is_tensor(value):
                     param_state[key] = value.to(param.device)
     _refresh_host_copies(hybrid)
+
+
+def _main_params_from_model(distributed) -> None:
+    """A DistributedOptimizer's fp32 main-param shards equal to its rank's range of the model's weights."""
+    pairs = ((distributed.model_float16_groups, distributed.shard_fp32_from_float16_groups),
+             (distributed.model_fp32_groups, distributed.shard_fp32_groups))
+    with torch.no_grad():
+        for model_groups, main_groups in pairs:
+            for model_group, main_group in zip(model_groups, main_groups):
+                for model_param, main_param in zip(model_group, main_group):
+                    span = distributed._get_model_param_range_map(model_param)["param"]
+                    main_param.copy_(model_param.detach().view(-1)[span.start:span.end])
 
 
 def _refresh_host_copies(hybrid) -> None:

@@ -355,8 +355,9 @@ def load(root: str, model, optimizer, scheduler) -> Tuple[int, int]:
     """Loads the latest checkpoint under root into model/optimizer/scheduler; returns (iteration, consumed)."""
     path = find_checkpoint(root, what="checkpoint.load")
     problem = [verify(path), _saved_layout(path), None] if dist.get_rank() == 0 else [None, None, None]
-    if problem[0] is None and dist.get_rank() == 0:
-        problem[2] = dist_checkpointing.load_content_metadata(str(path))
+    if problem[0] is None and dist.get_rank() == 0:  # the common state it reads holds the optimizer's too
+        with torch.serialization.safe_globals(optimizer.checkpoint_safe_globals()):
+            problem[2] = dist_checkpointing.load_content_metadata(str(path))
     dist.broadcast_object_list(problem, src=0)
     if problem[0]:
         raise ConfigError(f"checkpoint.load: {problem[0]}")
