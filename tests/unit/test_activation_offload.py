@@ -79,6 +79,7 @@ def test_on_cpu_auto_is_none_and_checkpoints_stays():
     assert kept.model.activation_offload == "checkpoints"  # the CPU stand-in: every saved tensor
 
 
+@pytest.mark.subprocess
 def test_checkpoints_without_full_recompute_on_gpu_is_one_line_and_bad_values_too():
     check_one_line_error(run_cli("plan", "--size", "tiny", "model.activation_offload=checkpoints"),
                          "model.activation_offload 'checkpoints' moves the inputs that recompute keeps: it needs "
@@ -168,6 +169,7 @@ def test_forward_step_offloads_what_its_mode_says(monkeypatch):
 
 @pytest.mark.parametrize("extra", [[], ["--nproc-per-node", "2", "parallel.pipeline_model_parallel_size=2",
                                         "optim.optimizer=zero_cache", "zero_cache.prefetch_cache_sub_group_rate=0.5"]])
+@pytest.mark.subprocess
 def test_training_with_the_offload_hooks_equals_training_without(tmp_path, extra):
     """Through the CLI on CPU (where no layer recomputes, so 'checkpoints' runs its hooks over every tensor
     the forward saves): losses and gradient norms over 4 steps equal those without (the default 'auto',

@@ -35,24 +35,28 @@ CASES = {
 }
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_bad_input(case):
     args, needle = CASES[case]
     check_one_line_error(run_cli(*args), needle)
 
 
+@pytest.mark.subprocess
 def test_malformed_yaml(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("model:\n  num_layers: [1,\n")
     check_one_line_error(run_cli("train", "--config", bad), "malformed YAML")
 
 
+@pytest.mark.subprocess
 def test_yaml_not_a_mapping(tmp_path):
     bad = tmp_path / "list.yaml"
     bad.write_text("- 1\n- 2\n")
     check_one_line_error(run_cli("train", "--config", bad), "must hold a mapping")
 
 
+@pytest.mark.subprocess
 def test_dry_run_prints_command_and_exits_0():
     proc = run_cli("train", "--size", "tiny", "--device", "cpu", "--nproc-per-node", "2", "--dry-run", "num_layers=3")
     assert proc.returncode == 0, proc.stderr
@@ -62,6 +66,7 @@ def test_dry_run_prints_command_and_exits_0():
     assert "num_layers=3" in line and "train.device=cpu" in line
 
 
+@pytest.mark.subprocess
 def test_help_does_not_import_torch_distributed():
     import subprocess
     import sys

@@ -88,6 +88,7 @@ def test_accumulating_in_the_store_keeps_weights_resident_unless_they_must_move(
     assert one_step.offload_params is True  # one micro batch: fetching once per step is cheap
 
 
+@pytest.mark.subprocess
 def test_plan_command_prints_every_system(tmp_path):
     proc = run_cli("plan", "--size", "h200-16b", "model.num_layers=12", "--json")
     assert proc.returncode == 0, proc.stderr
@@ -107,6 +108,7 @@ def test_plan_command_prints_every_system(tmp_path):
     (["--gpu-mem", "0"], "--gpu-mem must be > 0"),
     (["--size", "nope"], "nope"),
 ])
+@pytest.mark.subprocess
 def test_plan_bad_input_is_one_line(args, needle):
     check_one_line_error(run_cli("plan", *(["--size", "tiny"] if "--size" not in args else []), *args), needle)
 
@@ -259,6 +261,7 @@ def test_auto_rate_leaves_the_transfer_streams_their_room_and_takes_the_largest_
     assert stream_held_bytes(on_gpu, 1) == 0
 
 
+@pytest.mark.subprocess
 def test_where_no_rate_fits_the_plan_is_the_closest_and_says_by_how_much():
     """20 layers of the 55 shape at global batch 32 on one H200 (micro batches added up in the store) fit
     at no rate: 'auto' answers with the placement least short of memory, not with its smallest rate (at

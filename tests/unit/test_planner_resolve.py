@@ -179,6 +179,7 @@ def test_a_concrete_device_must_agree_with_where_it_is_resolved_for():
         resolve_config(parse("tiny", overrides=["train.device=cpu"]), H200, 1, 1, on_gpu=True)
 
 
+@pytest.mark.subprocess
 def test_the_planner_imports_without_torch():
     code = ("import sys, angelgpt.planner, angelgpt.planner.resolve, angelgpt.planner.report; "
             "assert 'torch' not in sys.modules, 'torch imported'")

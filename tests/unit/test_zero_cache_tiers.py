@@ -29,6 +29,7 @@ def test_a_chunk_larger_than_one_system_call_round_trips(tmp_path):
     assert not tier.dir.exists()
 
 
+@pytest.mark.subprocess
 def test_chunks_a_killed_run_left_are_reclaimed_and_a_live_runs_are_kept(tmp_path):
     import subprocess
     import sys
