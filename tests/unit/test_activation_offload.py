@@ -11,7 +11,7 @@ import torch
 from angelgpt.config import parse
 from angelgpt.planner import machine_from, plan_for, resolve_config, resolved_line
 from angelgpt.planner.plan import activation_bytes, offloaded_activation_bytes, plan_zero_cache
-from tests.helpers import check_one_line_error, run_cli, train_tiny
+from tests.helpers import check_one_line_error, one_quick, run_cli, train_tiny
 
 NODE = machine_from("a100-40gx8", host_mem_gib=1000.0)  # the reference node: 8x A100-40G, 1 TB host
 # the 55 shape at TP 2 with sequence parallelism, its placement pinned so that only the offload changes
@@ -50,6 +50,7 @@ def test_the_offload_moves_exactly_the_recomputed_layers_inputs_from_gpu_to_host
     assert offloaded_activation_bytes(replace(on, model=replace(m, recompute="none"))) == 0
 
 
+@pytest.mark.slow
 def test_auto_offloads_where_only_that_fits_and_not_where_keeping_them_fits():
     """The 55 shape at TP 2 with sequence parallelism on the reference node fits only with the inputs
     offloaded: 'auto' takes it, and resolving says so; at TP 4 it fits with them on the GPU, which is
@@ -122,7 +123,7 @@ def _grads_after(model, cfg, mode):
     return loss.item(), [p.grad.clone() for p in model.parameters()], hooks
 
 
-@pytest.mark.parametrize("k", [None, 2])
+@pytest.mark.parametrize("k", one_quick(2, [None, 2]))
 def test_the_hooks_move_exactly_the_inputs_that_recompute_keeps_and_change_nothing(cpu_recompute, k):
     """With every layer (or the first k) recomputing, 'checkpoints' moves one tensor per recomputed
     layer, its s*b*h input, and the loss and every gradient are bitwise those without offload; 'everything'

@@ -1,7 +1,6 @@
 """The one-pass CPU AdamW kernel (zero_cache/cpu_adam.c) against torch's fused AdamW with the dtype
 conversions around it, and its build and fallback rules."""
 
-import os
 import shutil
 
 import pytest
@@ -26,12 +25,9 @@ def reference(states, grad, step, coef):
 
 
 @pytest.fixture(scope="module")
-def adam(tmp_path_factory):
-    os.environ["ANGELGPT_CACHE"] = str(tmp_path_factory.mktemp("cache"))
-    try:
-        return CpuAdam(build(), threads=3)  # three threads taking five blocks, the last one partial
-    finally:
-        del os.environ["ANGELGPT_CACHE"]
+def adam():
+    # the machine's cached build (keyed on the source, flags and CPU); test_load_modes builds into a new cache
+    return CpuAdam(build(), threads=3)  # three threads taking five blocks, the last one partial
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -91,6 +87,7 @@ def test_bf16_rounding_is_torchs():
     assert torch.equal(out, values.to(torch.bfloat16))
 
 
+@pytest.mark.slow
 def test_load_modes(tmp_path, monkeypatch):
     monkeypatch.setenv("ANGELGPT_CACHE", str(tmp_path))
     assert CpuAdam.load("torch") is None
