@@ -226,9 +226,11 @@ def _load(model, opt, path):
     checkpoint.load(str(path), model, opt, _Scheduler())
 
 
-@pytest.mark.parametrize("saved,loaded", one_quick(("both", "fp32"), [
-    ("fp32", "both"), ("both", "fp32"), ("both", "both"), ("remainders", "bf16-moments"), ("both", "fp32-model"),
-    ("smallest", "smallest"), ("smallest", "fp32"), ("fp8-moments", "both"), ("fp32", "smallest"), ("fp32", "fp32")]))
+@pytest.mark.slow  # a save and a load through the checkpoint code each (tests/unit/test_checkpoint_saver.py is quick)
+@pytest.mark.parametrize("saved,loaded", [("fp32", "both"), ("both", "fp32"), ("both", "both"),
+                                          ("remainders", "bf16-moments"), ("both", "fp32-model"),
+                                          ("smallest", "smallest"), ("smallest", "fp32"), ("fp8-moments", "both"),
+                                          ("fp32", "smallest"), ("fp32", "fp32")])
 def test_a_checkpoint_loads_into_another_format(megatron_single_rank, tmp_path, saved, loaded):
     """Saved after a step in one format, loaded into a fresh optimizer of another (or into an fp32
     model, as a CPU run builds it): the masters are the saved ones bit for bit, the moments the saved
