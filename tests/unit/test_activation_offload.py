@@ -50,7 +50,7 @@ def test_the_offload_moves_exactly_the_recomputed_layers_inputs_from_gpu_to_host
     assert offloaded_activation_bytes(replace(on, model=replace(m, recompute="none"))) == 0
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # plans of the 55 shape
 def test_auto_offloads_where_only_that_fits_and_not_where_keeping_them_fits():
     """The 55 shape at TP 2 with sequence parallelism on the reference node fits only with the inputs
     offloaded: 'auto' takes it, and resolving says so; at TP 4 it fits with them on the GPU, which is

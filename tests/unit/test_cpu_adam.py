@@ -88,7 +88,7 @@ def test_bf16_rounding_is_torchs():
     assert torch.equal(out, values.to(torch.bfloat16))
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # compiles the kernel into a new cache
 def test_load_modes(tmp_path, monkeypatch):
     monkeypatch.setenv("ANGELGPT_CACHE", str(tmp_path))
     assert CpuAdam.load("torch") is None

@@ -43,7 +43,7 @@ def test_tokenizer_round_trips_corpus_exactly(tokenizer, corpus):
     assert tok.detokenize(tok.tokenize(odd)) == odd  # byte fallback for unseen characters
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # tokenizes the corpus three times
 def test_prepare_txt_jsonl_parquet_agree_and_read_back(tokenizer, corpus, tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq

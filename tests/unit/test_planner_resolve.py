@@ -122,7 +122,7 @@ def h200_19_layers():
     return cfg, plan_for(cfg, H200), resolve_config(cfg, H200, 1, 1, on_gpu=True)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # its fixture plans 19 layers of the 55 shape twice
 def test_on_the_h200_every_auto_becomes_the_plans_choice(h200_19_layers):
     cfg, planned, (out, plan) = h200_19_layers
     assert _autos(out) == [] and out.train.device == "cuda"

@@ -80,7 +80,7 @@ def test_h200_presets_bracket_offload():
     assert parse("h200-16b").optim.optimizer == "zero_cache"
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # plans the 28 shape
 def test_the_h200_28b_preset_is_the_run_that_trained_the_28_shape_on_one_h200():
     """h200-28b is the 28 preset's layer shape with the settings of the H200 run that trained it (the
     h200-16b preset with overrides then): the same model, optimizer settings and batches; the planner

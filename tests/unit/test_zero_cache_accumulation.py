@@ -158,7 +158,7 @@ def test_one_micro_batch_keeps_gradients_in_the_model_dtype(megatron_single_rank
     r["opt"].close()
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # the tiny model stepped with each CPU AdamW
 @pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
 def test_the_native_and_torch_cpu_adamw_agree_on_fp32_gradients(megatron_single_rank):
     """The one-pass kernel reads the fp32 sums (and writes bf16 weights) as torch's path does."""

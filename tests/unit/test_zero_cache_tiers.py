@@ -12,7 +12,7 @@ from angelgpt.zero_cache.tiers import NVMeTier
 SYSCALL_MAX = 0x7FFFF000
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # writes and reads a 2 GiB file
 def test_a_chunk_larger_than_one_system_call_round_trips(tmp_path):
     numel = (SYSCALL_MAX + (1 << 20)) // 4
     if shutil.disk_usage(tmp_path).free < 2 * numel * 4:
