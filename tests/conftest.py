@@ -3,9 +3,10 @@
 The quick subset, `pytest -q -m "not slow" tests`, is every test not marked `slow`. Marks are explicit:
 tests/distributed is marked `distributed` and tests/gpu `gpu` by folder (below); a test elsewhere that
 starts a process (the `angelgpt` CLI, a script, pip, torchrun) carries `@pytest.mark.subprocess`, and
-one that takes long in process carries `@pytest.mark.slow` (or its module `pytestmark`). Every
-`distributed`, `gpu` or `subprocess` test is `slow` too. A test not marked `slow` that starts a Python
-process fails (the audit hook below), so a launch cannot slip into the quick subset unmarked.
+one that takes long in process `@pytest.mark.slow` (its module's `pytestmark` where all of them do; a
+parametrized matrix keeps one case quick with tests.helpers.one_quick). Every `distributed`, `gpu` or
+`subprocess` test is `slow` too. A test not marked `slow` that starts a Python process fails (the
+audit hook below), so a launch cannot slip into the quick subset unmarked.
 """
 
 import sys
