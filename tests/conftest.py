@@ -1,16 +1,15 @@
 """pytest fixtures and hooks; what the tests share otherwise is in tests/helpers.py.
 
-The quick subset: `pytest -q -m "not slow" tests`. Collection marks every test that is not in it:
-tests/distributed (`distributed`), tests/gpu (`gpu`), and each test elsewhere that starts a process
-(`subprocess`: `run_cli`, `train_tiny`, `subprocess.*`, a library function that launches, in the test,
-in a function of tests/ it calls or in a fixture it uses) gets `slow` too. A test the scan misses can
-be marked `@pytest.mark.subprocess` by hand; one that started a Python process unmarked is named at
-the end of the run (the audit hook below) so the quick subset stays quick.
+The quick subset, `pytest -q -m "not slow" tests`, is every test not marked `slow`. Marks are explicit:
+tests/distributed is marked `distributed` and tests/gpu `gpu` by folder (below); a test elsewhere that
+starts a process (the `angelgpt` CLI, a script, pip, torchrun) carries `@pytest.mark.subprocess`, and
+one that takes long in process `@pytest.mark.slow` (its module's `pytestmark` where all of them do; a
+parametrized matrix keeps one case quick with tests.helpers.one_quick). Every `distributed`, `gpu` or
+`subprocess` test is `slow` too. A test not marked `slow` that starts a Python process fails (the
+audit hook below), so a launch cannot slip into the quick subset unmarked.
 """
 
-import inspect
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -20,8 +19,6 @@ from tests.helpers import CORPUS
 _HERE = Path(__file__).resolve().parent
 _BY_DIRECTORY = {_HERE / "distributed": "distributed", _HERE / "gpu": "gpu"}
 _NOT_QUICK = ("subprocess", "distributed", "gpu")
-# names whose use in test code starts a process: the module, its class, and library functions that launch
-_SPAWNS = frozenset({"subprocess", "Popen", "multiprocessing", "posix_spawn", "run_within_host_budget"})
 
 
 @pytest.fixture
@@ -49,85 +46,42 @@ def megatron_single_rank():
     dist.destroy_process_group()
 
 
-def _codes(code):
-    yield code
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):  # nested functions, lambdas, comprehensions
-            yield from _codes(const)
-
-
-def _ours(obj):
-    return (getattr(obj, "__module__", None) or "").split(".")[0] == "tests"
-
-
-def _ours_module(module):
-    return module.__name__.split(".")[0] == "tests"
-
-
-def _starts_a_process(fn, seen):
-    """Whether fn's code, or that of a function of tests/ it names, names something in _SPAWNS."""
-    fn = inspect.unwrap(getattr(fn, "__func__", fn))
-    fn = getattr(getattr(fn, "hypothesis", None), "inner_test", fn)  # @given wraps the test
-    code = getattr(fn, "__code__", None)
-    if code is None or code in seen:
-        return False
-    seen.add(code)
-    names = {name for c in _codes(code) for name in c.co_names}
-    if names & _SPAWNS:
-        return True
-    space = getattr(fn, "__globals__", {})
-    modules = [space.get(name) for name in names]  # `helpers.run_cli(...)`
-    modules += [sys.modules.get(name) for name in names if name.startswith("tests.")]  # imported in the function
-    spaces = [space] + [vars(m) for m in modules if isinstance(m, types.ModuleType) and _ours_module(m)]
-    for name in names:
-        for space in spaces:
-            obj = space.get(name)
-            if inspect.isfunction(obj) and _ours(obj) and _starts_a_process(obj, seen):
-                return True
-    return False
-
-
-def _fixture_functions(item):
-    info = getattr(item, "_fixtureinfo", None)
-    for defs in (getattr(info, "name2fixturedefs", None) or {}).values():
-        for fixturedef in defs:
-            func = getattr(fixturedef, "func", None)
-            if func is not None and _ours(func):
-                yield func
-
-
 def pytest_collection_modifyitems(config, items):
-    verdicts = {}
     for item in items:
         for folder, name in _BY_DIRECTORY.items():
             if folder in item.path.parents and not item.get_closest_marker(name):
                 item.add_marker(name)
-        fn = getattr(item, "obj", None)
-        if fn is not None and not any(item.get_closest_marker(m) for m in _NOT_QUICK):
-            for f in [fn, *_fixture_functions(item)]:
-                key = getattr(inspect.unwrap(getattr(f, "__func__", f)), "__code__", f)
-                if key not in verdicts:
-                    verdicts[key] = _starts_a_process(f, set())
-                if verdicts[key]:
-                    item.add_marker("subprocess")
-                    break
         if any(item.get_closest_marker(m) for m in _NOT_QUICK) and not item.get_closest_marker("slow"):
             item.add_marker("slow")
 
 
-# A Python process started during a test not marked slow: named at the end of the run (not a failure).
+# A Python process started by a test not marked slow (in its setup, call or teardown) fails that test.
 _running = {"item": None}
-_unmarked = {}
+_unmarked = {}  # nodeid -> the command it started
+_failed = set()
+_BIN = Path(sys.executable).parent  # the environment's console scripts (angelgpt, torchrun, pip) run Python
+_SHELLS = ("sh", "bash", "dash", "zsh")
+
+
+def _runs_python(argv):
+    name = Path(argv[0]).name
+    if name in _SHELLS:  # `sh -c "python ..."`
+        return any(word in " ".join(argv[1:]) for word in ("python", "angelgpt", "torchrun", "pip"))
+    return "python" in name or "torchrun" in name or argv[0] == sys.executable or Path(argv[0]).parent == _BIN
 
 
 def _audit(event, args):
-    if event == "subprocess.Popen" and _running["item"] is not None:
-        try:
+    if _running["item"] is None or _running["item"] in _unmarked:
+        return
+    try:
+        if event == "os.fork":  # the child is a copy of this Python process
+            _unmarked[_running["item"]] = "os.fork()"
+        elif event in ("subprocess.Popen", "os.posix_spawn"):  # (executable or path, argv, ...)
             argv = [str(a) for a in (args[1] if isinstance(args[1], (list, tuple)) else [args[1]])]
-            if argv and ("python" in Path(argv[0]).name or argv[0] == sys.executable or "torchrun" in argv[0]):
-                _unmarked.setdefault(_running["item"], " ".join(argv)[:120])
-        except Exception:  # an audit hook must never raise: that would stop the launch
-            pass
+            if argv and _runs_python(argv):
+                _unmarked[_running["item"]] = " ".join(argv)[:120]
+    except Exception:  # an audit hook must never raise: that would stop the launch, not fail the test
+        pass
 
 
 sys.addaudithook(_audit)
@@ -142,9 +96,26 @@ def pytest_runtest_protocol(item, nextitem):
         _running["item"] = None
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if item.nodeid in _unmarked and item.nodeid not in _failed:  # the phase (setup, call, teardown) that launched
+        _failed.add(item.nodeid)
+        message = (f"started a Python process but is not marked slow: {_unmarked[item.nodeid]}\n"
+                   "mark it @pytest.mark.subprocess to keep `pytest -m 'not slow'` in process")
+        if report.failed:  # its own failure stays what it shows
+            report.sections.append(("not marked slow", message))
+        else:
+            report.outcome = "failed"
+            report.longrepr = message
+            if hasattr(report, "wasxfail"):  # a launch fails the test even where it was expected to fail
+                del report.wasxfail
+    return report
+
+
 def pytest_terminal_summary(terminalreporter):
     if _unmarked:
-        terminalreporter.section("tests not marked slow that started a Python process")
+        terminalreporter.section("tests not marked slow that started a Python process (failed)")
         for nodeid, command in _unmarked.items():
             terminalreporter.write_line(f"{nodeid}: {command}")
-        terminalreporter.write_line("mark them @pytest.mark.subprocess to keep `pytest -m 'not slow'` quick")
+        terminalreporter.write_line("mark them @pytest.mark.subprocess to keep `pytest -m 'not slow'` in process")

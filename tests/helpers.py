@@ -22,6 +22,18 @@ _SHARED = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
 CORPUS = _SHARED if _SHARED.is_file() else ROOT / "tests" / "data" / "tinyshakespeare.txt"
 
 
+def one_quick(quick, cases):
+    """parametrize's values: each of `cases` (values, or tuples of them for several names), the one equal to
+    `quick` in the quick subset and the others marked slow, e.g. `pytest.mark.parametrize("a,b",
+    one_quick(("x", 1), itertools.product(["x", "y"], [1, 2])))`."""
+    import pytest
+
+    cases = list(cases)
+    assert quick in cases, quick
+    return [pytest.param(*(c if isinstance(c, tuple) else (c,)), marks=() if c == quick else pytest.mark.slow)
+            for c in cases]
+
+
 def run_cli(*args, timeout=600, env=None):
     full_env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     full_env.update(env or {})

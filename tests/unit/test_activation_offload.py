@@ -11,7 +11,7 @@ import torch
 from angelgpt.config import parse
 from angelgpt.planner import machine_from, plan_for, resolve_config, resolved_line
 from angelgpt.planner.plan import activation_bytes, offloaded_activation_bytes, plan_zero_cache
-from tests.helpers import check_one_line_error, run_cli, train_tiny
+from tests.helpers import check_one_line_error, one_quick, run_cli, train_tiny
 
 NODE = machine_from("a100-40gx8", host_mem_gib=1000.0)  # the reference node: 8x A100-40G, 1 TB host
 # the 55 shape at TP 2 with sequence parallelism, its placement pinned so that only the offload changes
@@ -50,6 +50,7 @@ def test_the_offload_moves_exactly_the_recomputed_layers_inputs_from_gpu_to_host
     assert offloaded_activation_bytes(replace(on, model=replace(m, recompute="none"))) == 0
 
 
+@pytest.mark.slow  # plans of the 55 shape
 def test_auto_offloads_where_only_that_fits_and_not_where_keeping_them_fits():
     """The 55 shape at TP 2 with sequence parallelism on the reference node fits only with the inputs
     offloaded: 'auto' takes it, and resolving says so; at TP 4 it fits with them on the GPU, which is
@@ -79,6 +80,7 @@ def test_on_cpu_auto_is_none_and_checkpoints_stays():
     assert kept.model.activation_offload == "checkpoints"  # the CPU stand-in: every saved tensor
 
 
+@pytest.mark.subprocess
 def test_checkpoints_without_full_recompute_on_gpu_is_one_line_and_bad_values_too():
     check_one_line_error(run_cli("plan", "--size", "tiny", "model.activation_offload=checkpoints"),
                          "model.activation_offload 'checkpoints' moves the inputs that recompute keeps: it needs "
@@ -121,7 +123,7 @@ def _grads_after(model, cfg, mode):
     return loss.item(), [p.grad.clone() for p in model.parameters()], hooks
 
 
-@pytest.mark.parametrize("k", [None, 2])
+@pytest.mark.parametrize("k", one_quick(2, [None, 2]))
 def test_the_hooks_move_exactly_the_inputs_that_recompute_keeps_and_change_nothing(cpu_recompute, k):
     """With every layer (or the first k) recomputing, 'checkpoints' moves one tensor per recomputed
     layer, its s*b*h input, and the loss and every gradient are bitwise those without offload; 'everything'
@@ -168,6 +170,7 @@ def test_forward_step_offloads_what_its_mode_says(monkeypatch):
 
 @pytest.mark.parametrize("extra", [[], ["--nproc-per-node", "2", "parallel.pipeline_model_parallel_size=2",
                                         "optim.optimizer=zero_cache", "zero_cache.prefetch_cache_sub_group_rate=0.5"]])
+@pytest.mark.subprocess
 def test_training_with_the_offload_hooks_equals_training_without(tmp_path, extra):
     """Through the CLI on CPU (where no layer recomputes, so 'checkpoints' runs its hooks over every tensor
     the forward saves): losses and gradient norms over 4 steps equal those without (the default 'auto',

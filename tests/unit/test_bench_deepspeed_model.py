@@ -67,6 +67,7 @@ def test_parameter_count_matches_megatron_gpt(name, layers):
     assert sum(p.numel() for p in model.parameters()) == num_params(cfg)
 
 
+@pytest.mark.subprocess
 def test_first_step_loss_gradients_and_norm_equal_angelgpt(start, angelgpt_run):
     """On the first global batch the script reads, the script's model with angelgpt's initial weights gives
     the loss and gradient norm `angelgpt train` logged, and Megatron's gradients parameter by parameter."""
@@ -97,6 +98,7 @@ def test_first_step_loss_gradients_and_norm_equal_angelgpt(start, angelgpt_run):
         torch.testing.assert_close(grads[script_name(name)].grad, p.grad, rtol=1e-4, atol=1e-7, msg=name)
 
 
+@pytest.mark.subprocess
 def test_twenty_steps_follow_angelgpt(start, angelgpt_run):
     """What the script hands DeepSpeed (model, batches, AdamW groups, MegatronLR), stepped as DeepSpeed steps
     them (each micro batch's loss over the micro batch count, global-norm clipping, AdamW, then the
@@ -205,6 +207,7 @@ def test_an_architecture_this_model_does_not_build_is_named(override, needle):
     assert needle in unsupported(parse("tiny", overrides=[override]))
 
 
+@pytest.mark.subprocess
 def test_unknown_configuration_is_one_line():
     proc = subprocess.run([sys.executable, "scripts/bench_deepspeed.py", "--size", "tiny", "deepspeed_config=zero4"],
                           cwd=ROOT, text=True, capture_output=True, timeout=300)
@@ -213,6 +216,7 @@ def test_unknown_configuration_is_one_line():
         f"bench_deepspeed: deepspeed_config is one of {', '.join(CONFIGS)}, got 'zero4'"]
 
 
+@pytest.mark.subprocess
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed")
 def test_deepspeed_zero2_offload_trains_what_angelgpt_trains(tmp_path, angelgpt_run):
     """DeepSpeed itself (ZeRO-2, CPU AdamW, on CPU in fp32; its CPU Adam op builds on first use) logs

@@ -1,5 +1,7 @@
 """benchmarks.numerics: the corpus it takes from a standard library, its comparison lines and its plot."""
 
+import pytest
+
 from benchmarks.numerics import compare, corpus_files, main, svg
 
 
@@ -23,6 +25,7 @@ def test_runs_are_compared_with_the_first_and_drawn_one_line_each():
     assert drawing.startswith("<svg") and drawing.count("<polyline") == 4 and ">bf16<" in drawing
 
 
+@pytest.mark.subprocess
 def test_a_run_past_its_time_limit_is_stopped_with_its_children():
     """_stop ends the run's whole process group (a launcher and the workers it started), not the
     launcher alone."""

@@ -98,6 +98,7 @@ def test_a_result_file_is_never_overwritten(tmp_path, monkeypatch):
     assert len(list((tmp_path / "out").iterdir())) == 3
 
 
+@pytest.mark.subprocess
 def test_the_commands_keep_working(tmp_path):
     (tmp_path / "case.json").write_text("{}")
     for cmd in (["scripts/bench_train.py", "--help"], ["scripts/bench_peers.py", "report", "--help"],

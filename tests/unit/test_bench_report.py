@@ -96,6 +96,7 @@ def test_every_number_in_the_notes_is_in_the_result_file_named_beside_it(committ
     assert unsupported("- (d) made 529.6 TFLOP/s at rate 0.75", RESULTS) == [("529.6", None), ("0.75", None)]
 
 
+@pytest.mark.slow  # generates the report
 def test_a_note_whose_file_is_missing_is_left_out_and_said_so(tmp_path, capsys, committed):
     results = tmp_path / "results"
     shutil.copytree(RESULTS, results)
@@ -125,6 +126,7 @@ def rerun(results, case, call, boot_id="boot-1"):
 A7, D7 = "peers-megatron-L7-mb2-gb32-recomputenone", "peers-zero_cache-L7-mb2-gb32-recomputenone"
 
 
+@pytest.mark.slow  # generates the report
 def test_a_ratio_of_two_files_from_different_calls_is_not_a_goal_result(tmp_path):
     results = tmp_path / "results"
     results.mkdir()
@@ -180,6 +182,7 @@ def test_a_newer_run_short_of_3_steps_leaves_the_goals_to_the_complete_run(tmp_p
     assert f"| call-2 | `{A7}-run3.json` |" in text  # the newest run, in the runs table
 
 
+@pytest.mark.slow  # generates the report
 def test_a_case_that_changes_the_shape_counts_its_own_parameters():
     """The 28 preset's shape (128 heads of 128 where the 55's has 64) at 26 layers: 28.35B, not the
     55-shape count of 26 layers."""

@@ -11,6 +11,7 @@ from angelgpt.config import parse
 from benchmarks.train import failure
 
 
+@pytest.mark.slow  # plans 20 layers of the 55 shape
 def test_a_refusal_before_launch_is_recorded_with_what_was_short(monkeypatch, capsys):
     # the launcher reads the GPU from CUDA; this machine has none, so it is given an H200
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -35,24 +35,28 @@ CASES = {
 }
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_bad_input(case):
     args, needle = CASES[case]
     check_one_line_error(run_cli(*args), needle)
 
 
+@pytest.mark.subprocess
 def test_malformed_yaml(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("model:\n  num_layers: [1,\n")
     check_one_line_error(run_cli("train", "--config", bad), "malformed YAML")
 
 
+@pytest.mark.subprocess
 def test_yaml_not_a_mapping(tmp_path):
     bad = tmp_path / "list.yaml"
     bad.write_text("- 1\n- 2\n")
     check_one_line_error(run_cli("train", "--config", bad), "must hold a mapping")
 
 
+@pytest.mark.subprocess
 def test_dry_run_prints_command_writes_its_run_config_and_exits_0(tmp_path):
     """The command printed names the run config the dry run wrote: the config printed, resolved."""
     import yaml
@@ -71,6 +75,7 @@ def test_dry_run_prints_command_writes_its_run_config_and_exits_0(tmp_path):
     assert written == printed
 
 
+@pytest.mark.subprocess
 def test_help_does_not_import_torch_distributed():
     import subprocess
     import sys

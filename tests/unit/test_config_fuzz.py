@@ -4,11 +4,14 @@ another exception, and nothing written."""
 import dataclasses
 import os
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from angelgpt.config import ConfigError, parse
 from angelgpt.config.schema import SECTIONS
+
+pytestmark = pytest.mark.slow  # hundreds of generated configs a test (tests/unit/test_config.py is quick)
 
 KEYS = [f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
 scalars = st.one_of(st.none(), st.booleans(), st.integers(-10**12, 10**12), st.floats(allow_nan=True),

@@ -1,13 +1,13 @@
 """The one-pass CPU AdamW kernel (zero_cache/cpu_adam.c) against torch's fused AdamW with the dtype
 conversions around it, and its build and fallback rules."""
 
-import os
 import shutil
 
 import pytest
 import torch
 
 from angelgpt.zero_cache.cpu_adam import CpuAdam, CpuAdamUnavailable, build
+from tests.helpers import one_quick
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
 
@@ -26,16 +26,13 @@ def reference(states, grad, step, coef):
 
 
 @pytest.fixture(scope="module")
-def adam(tmp_path_factory):
-    os.environ["ANGELGPT_CACHE"] = str(tmp_path_factory.mktemp("cache"))
-    try:
-        return CpuAdam(build(), threads=3)  # three threads taking five blocks, the last one partial
-    finally:
-        del os.environ["ANGELGPT_CACHE"]
+def adam():
+    # the machine's cached build (keyed on the source, flags and CPU); test_load_modes builds into a new cache
+    return CpuAdam(build(), threads=3)  # three threads taking five blocks, the last one partial
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("out_mode", ["buffer", "over_grad", "none"])
+@pytest.mark.parametrize("dtype", one_quick(torch.bfloat16, [torch.bfloat16, torch.float32]))
+@pytest.mark.parametrize("out_mode", one_quick("buffer", ["buffer", "over_grad", "none"]))
 def test_matches_torch_adamw(adam, dtype, out_mode):
     n = 300_007  # not a multiple of any vector width, nor of the 65,536-element block
     gen = torch.Generator().manual_seed(0)
@@ -91,6 +88,7 @@ def test_bf16_rounding_is_torchs():
     assert torch.equal(out, values.to(torch.bfloat16))
 
 
+@pytest.mark.slow  # compiles the kernel into a new cache
 def test_load_modes(tmp_path, monkeypatch):
     monkeypatch.setenv("ANGELGPT_CACHE", str(tmp_path))
     assert CpuAdam.load("torch") is None
@@ -104,7 +102,8 @@ def test_load_modes(tmp_path, monkeypatch):
         CpuAdam.load("native")
 
 
-@pytest.mark.parametrize("fmt", [("fp8", "fp8", True), ("fp8", "bf16", False), ("fp32", "fp8", True)])
+@pytest.mark.parametrize("fmt", [("fp8", "fp8", True), pytest.param(("fp8", "bf16", False), marks=pytest.mark.slow),
+                                 pytest.param(("fp32", "fp8", True), marks=pytest.mark.slow)])
 def test_fp8_moments_are_precisions_encoding_of_the_fp32_update(adam, fmt):
     """With an fp8 moment the kernel updates a block at a time: its masters (and weights) are the fp32
     kernel's from the same decoded moments bit for bit, and its fp8 codes and scales are

@@ -43,6 +43,7 @@ def test_tokenizer_round_trips_corpus_exactly(tokenizer, corpus):
     assert tok.detokenize(tok.tokenize(odd)) == odd  # byte fallback for unseen characters
 
 
+@pytest.mark.slow  # tokenizes the corpus three times
 def test_prepare_txt_jsonl_parquet_agree_and_read_back(tokenizer, corpus, tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -72,6 +73,7 @@ def test_prepare_txt_jsonl_parquet_agree_and_read_back(tokenizer, corpus, tmp_pa
     assert counts["txt"] == (len(docs), total)
 
 
+@pytest.mark.subprocess
 def test_non_utf8_bytes_are_replaced_and_counted(tokenizer, tmp_path):
     bad = tmp_path / "bad.txt"
     bad.write_bytes(b"good text\n\nbad \xff\xfe bytes\n")
@@ -100,6 +102,7 @@ def bad_prepare_cases(tokenizer, tmp_path):
 
 @pytest.mark.parametrize("case", ["missing file", "empty corpus", "missing text key", "tokenizer missing",
                                   "offline dataset name"])
+@pytest.mark.subprocess
 def test_prepare_bad_input(case, tokenizer, tmp_path):
     args, needle = bad_prepare_cases(tokenizer, tmp_path)[case]
     out = tmp_path / "out"
@@ -108,6 +111,7 @@ def test_prepare_bad_input(case, tokenizer, tmp_path):
     assert not [p for p in os.listdir(tmp_path) if p.startswith("out")]  # nothing half-written
 
 
+@pytest.mark.subprocess
 def test_tokenizer_train_bad_input(tmp_path):
     check_one_line_error(run_cli("tokenizer", "train", "--input", tmp_path / "nope.txt", "--output", tmp_path / "t"),
                          "no such file")
@@ -128,6 +132,7 @@ def test_a_vocabulary_smaller_than_the_tokenizers_is_refused_before_launch(token
     check_one_line_error(proc, "tokenizer has 1024 tokens but model.vocab_size is 512")
 
 
+@pytest.mark.subprocess
 def test_a_split_that_leaves_the_validation_split_no_document_is_refused_before_launch(tokenizer, corpus, tmp_path):
     """Three documents and data.split 949,50,1 leave validation and test no sequence (Megatron's builder
     would look for their samples forever): with evaluations asked for, refused by the launcher in one

@@ -7,6 +7,7 @@ import torch
 
 from angelgpt.config import parse
 from angelgpt.planner import MACHINES, resolve_config
+from tests.helpers import one_quick
 
 
 def _zero_cache_cfg(*overrides, size="tiny"):
@@ -16,8 +17,8 @@ def _zero_cache_cfg(*overrides, size="tiny"):
     return cfg
 
 
-@pytest.mark.parametrize("size", ["tiny", "llama-tiny"])
-@pytest.mark.parametrize("offload", [False, True])
+@pytest.mark.parametrize("size", one_quick("tiny", ["tiny", "llama-tiny"]))
+@pytest.mark.parametrize("offload", one_quick(True, [False, True]))
 def test_a_deferred_build_holds_no_layer_until_the_store_fills_and_then_equals_the_ordinary_build(
         megatron_single_rank, offload, size):
     from angelgpt.model.deferred import materializer

@@ -126,6 +126,7 @@ def test_the_llama3_8b_preset_is_llama_3_8b():
     assert num_params(cfg) == 8_030_261_248  # Llama-3-8B's published count
 
 
+@pytest.mark.slow  # plans 29b and 140 layers of the 8b shape
 def test_the_h200_llama_preset_is_the_8b_layer_and_fits_one_h200_by_the_planner():
     from dataclasses import replace
 

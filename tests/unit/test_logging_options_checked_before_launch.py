@@ -26,11 +26,13 @@ def test_wandb_mode_is_one_of_wandbs():
         parse("tiny", overrides=["logging.wandb_mode=shared"])
 
 
+@pytest.mark.subprocess
 def test_bad_profile_steps_refused_by_the_cli():
     check_one_line_error(run_cli("train", "--size", "tiny", "--device", "cpu", "logging.profile_steps=5,4"),
                          "logging.profile_steps must be START,END with END >= START >= 1")
 
 
+@pytest.mark.subprocess
 def test_wandb_project_without_wandb_installed_is_refused_before_launch(tmp_path):
     # a meta-path finder that makes `wandb` look absent, as in an install without the [wandb] extra
     (tmp_path / "sitecustomize.py").write_text(

@@ -11,6 +11,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 from tests.helpers import ROOT
 
 
@@ -20,6 +22,7 @@ def _run(args, cwd, env=None, timeout=300):
     return proc.stdout
 
 
+@pytest.mark.subprocess
 def test_wheel_carries_presets(tmp_path):
     # build from a copy of what the wheel is made of, so the checkout gets no build/ or *.egg-info
     src = tmp_path / "src"

@@ -68,6 +68,7 @@ def test_more_state_on_the_gpu_until_it_is_full():
     assert large.margin["gpu"] >= 0 and large.margin["host"] >= 0
 
 
+@pytest.mark.slow  # plans of the 55 shape
 def test_accumulating_in_the_store_keeps_weights_resident_unless_they_must_move():
     """offload_params auto with in-store accumulation: 19 layers at global batch 32 on one H200, the
     running sums in bf16 as in the runs measured there, keep their weights on the GPU (fetching them for
@@ -88,6 +89,7 @@ def test_accumulating_in_the_store_keeps_weights_resident_unless_they_must_move(
     assert one_step.offload_params is True  # one micro batch: fetching once per step is cheap
 
 
+@pytest.mark.subprocess
 def test_plan_command_prints_every_system(tmp_path):
     proc = run_cli("plan", "--size", "h200-16b", "model.num_layers=12", "--json")
     assert proc.returncode == 0, proc.stderr
@@ -107,10 +109,12 @@ def test_plan_command_prints_every_system(tmp_path):
     (["--gpu-mem", "0"], "--gpu-mem must be > 0"),
     (["--size", "nope"], "nope"),
 ])
+@pytest.mark.subprocess
 def test_plan_bad_input_is_one_line(args, needle):
     check_one_line_error(run_cli("plan", *(["--size", "tiny"] if "--size" not in args else []), *args), needle)
 
 
+@pytest.mark.slow  # plans of the 55 shape
 def test_device_updates_take_their_share_of_host_chunks_interleaved():
     """device_update_fraction picks host chunks of resident-weight layers only, about that share of their
     elements, alternating with the CPU's in forward order; 'auto' balances the two measured paths."""
@@ -138,6 +142,7 @@ def test_device_updates_take_their_share_of_host_chunks_interleaved():
     assert p.step_s["cpu_optimizer"] < 0.6 * off.step_s["cpu_optimizer"]  # the two paths at once
 
 
+@pytest.mark.slow  # plans of the 55 shape
 def test_auto_accumulation_adds_up_in_the_store_only_where_that_fits_or_is_faster():
     """accumulate_in_store 'auto' (the default): 19 layers at global batch 32 fit on one H200 only with
     each micro batch's gradients added up in the store; 8 layers keep them on the GPU; one micro batch
@@ -178,6 +183,7 @@ def test_with_nvme_the_host_fills_before_states_go_to_disk():
     assert p.system == "zero_cache" and p.fits and p.nvme_bytes > 0, p
 
 
+@pytest.mark.slow  # plans of the 55 shape
 def test_recompute_auto_keeps_activations_where_they_fit_and_recomputes_where_they_do_not():
     """Measured on the H200: 7 layers of the 55 shape without recompute, 545.1 model TFLOP/s (Megatron) and
     584.4 (ZeRO-Cache) against 446.1 and 461.8 with it; at 19 layers only full recompute fits (ZeRO-Cache's
@@ -197,6 +203,7 @@ def test_recompute_auto_keeps_activations_where_they_fit_and_recomputes_where_th
     assert not plan_for(replace(big, model=replace(big.model, recompute="none")), MACHINES["h200"]).fits
 
 
+@pytest.mark.slow  # plans of the 55 shape
 def test_recompute_auto_keeps_the_activations_of_the_last_layers_that_fit():
     """At 19 layers of the 55 shape (micro batch 2, global batch 32) on one H200 the host still has room
     for part of a layer's states: 'auto' recomputes only the first k layers (Megatron's 'block'), the
@@ -259,6 +266,7 @@ def test_auto_rate_leaves_the_transfer_streams_their_room_and_takes_the_largest_
     assert stream_held_bytes(on_gpu, 1) == 0
 
 
+@pytest.mark.subprocess
 def test_where_no_rate_fits_the_plan_is_the_closest_and_says_by_how_much():
     """20 layers of the 55 shape at global batch 32 on one H200 (micro batches added up in the store) fit
     at no rate: 'auto' answers with the placement least short of memory, not with its smallest rate (at
@@ -357,6 +365,7 @@ def test_the_device_update_runs_at_the_pcie_rate_of_the_bytes_it_moves():
     assert device_update_fraction(compact, h200, 1) > device_update_fraction(exact, h200, 1)
 
 
+@pytest.mark.slow  # plans of the 55 shape
 def test_plan_says_when_the_sums_round_trips_bound_the_step():
     """Accumulating in the store at micro batch 2, 18 layers of the 55 shape wait for the host sums' round
     trips; `angelgpt plan` says a larger micro batch sends them fewer times, and at 4 they no longer bound it."""

@@ -122,6 +122,7 @@ def h200_19_layers():
     return cfg, plan_for(cfg, H200), resolve_config(cfg, H200, 1, 1, on_gpu=True)
 
 
+@pytest.mark.slow  # its fixture plans 19 layers of the 55 shape twice
 def test_on_the_h200_every_auto_becomes_the_plans_choice(h200_19_layers):
     cfg, planned, (out, plan) = h200_19_layers
     assert _autos(out) == [] and out.train.device == "cuda"
@@ -179,6 +180,7 @@ def test_a_concrete_device_must_agree_with_where_it_is_resolved_for():
         resolve_config(parse("tiny", overrides=["train.device=cpu"]), H200, 1, 1, on_gpu=True)
 
 
+@pytest.mark.subprocess
 def test_the_planner_imports_without_torch():
     code = ("import sys, angelgpt.planner, angelgpt.planner.resolve, angelgpt.planner.report; "
             "assert 'torch' not in sys.modules, 'torch imported'")

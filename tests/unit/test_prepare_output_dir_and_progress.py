@@ -8,6 +8,8 @@ import pytest
 
 from tests.helpers import CORPUS, check_one_line_error, run_cli
 
+pytestmark = pytest.mark.subprocess  # each test runs the CLI
+
 
 @pytest.fixture(scope="module")
 def small_corpus(tmp_path_factory):

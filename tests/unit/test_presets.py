@@ -32,6 +32,7 @@ def built_params(cfg, layers):
 
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("name", ["28", "55"])
 def test_seed_presets_show_json(name):
     proc = run_cli("presets", "show", name, "--json")
@@ -48,6 +49,7 @@ def test_seed_presets_show_json(name):
     assert abs(data["params"] / 1e9 - seed["billions"]) < 0.01
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("name", ["28", "55"])
 def test_reference_presets_fit_the_reference_node_by_the_planner(name):
     """`angelgpt plan --size 28|55 --machine a100-40gx8 --host-mem 1000 --json`: ZeRO-Cache fits with the
@@ -78,6 +80,7 @@ def test_h200_presets_bracket_offload():
     assert parse("h200-16b").optim.optimizer == "zero_cache"
 
 
+@pytest.mark.slow  # plans the 28 shape
 def test_the_h200_28b_preset_is_the_run_that_trained_the_28_shape_on_one_h200():
     """h200-28b is the 28 preset's layer shape with the settings of the H200 run that trained it (the
     h200-16b preset with overrides then): the same model, optimizer settings and batches; the planner
@@ -103,6 +106,7 @@ def test_the_h200_28b_preset_is_the_run_that_trained_the_28_shape_on_one_h200():
     assert auto_plan(cfg, MACHINES["h200"]).fits
 
 
+@pytest.mark.subprocess
 def test_presets_list_names_every_preset():
     proc = run_cli("presets", "list")
     assert proc.returncode == 0

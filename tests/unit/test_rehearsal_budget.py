@@ -7,12 +7,14 @@ import textwrap
 import time
 
 import psutil
+import pytest
 
 from angelgpt.cli.budget import host_budget, over_budget_message, run_within_host_budget
 from angelgpt.system import GIB
 from tests.helpers import check_one_line_error, run_cli, wait_for
 
 
+@pytest.mark.subprocess
 def test_a_rank_whose_plan_outgrows_the_host_budget_is_refused_before_building(tmp_path):
     report = tmp_path / "out" / "rehearsal.json"
     start = time.monotonic()
@@ -32,6 +34,7 @@ def _gone(p: psutil.Process) -> bool:
         return True
 
 
+@pytest.mark.subprocess
 def test_the_watcher_kills_a_process_that_outgrows_its_limit_children_and_all(tmp_path):
     pid_file = tmp_path / "grandchild.pid"
     grows = textwrap.dedent(f"""
@@ -55,6 +58,7 @@ def test_the_watcher_kills_a_process_that_outgrows_its_limit_children_and_all(tm
     assert wait_for(lambda: _gone(grandchild), timeout=5)  # no process left behind
 
 
+@pytest.mark.subprocess
 def test_the_watcher_lets_a_process_within_its_limit_finish():
     w = run_within_host_budget([sys.executable, "-c", "import sys; sys.stderr.write('fine\\n')"], GIB)
     assert (w.returncode, w.stderr, w.over_bytes) == (0, "fine\n", None)

@@ -41,10 +41,12 @@ def test_the_plan_of_a_later_stage_holds_that_stages_parameters(optimizer):
 
 @pytest.mark.parametrize("option", [["--gpu-mem", "40"], ["--host-mem", "1000"], ["--rehearse-rank", "1"],
                                     ["--machine", "a100-40gx8"]])
+@pytest.mark.subprocess
 def test_rehearsal_options_need_rehearse(option):
     check_one_line_error(run_cli("train", "--size", "tiny", "--device", "cpu", *option), "add --rehearse")
 
 
+@pytest.mark.subprocess
 def test_rehearsal_refuses_a_rank_outside_the_world():
     check_one_line_error(run_cli("train", "--size", "tiny", "--device", "cpu", "--nproc-per-node", "2",
                                  "--rehearse", "--rehearse-rank", "2"), "not a rank of a world of 2")

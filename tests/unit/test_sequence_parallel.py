@@ -1,6 +1,7 @@
 """parallel.sequence_parallel: its checks, its notice at TP 1, its norm, its activation memory.
 (Training with it is checked on real gloo workers in tests/distributed/test_sequence_parallel.py.)"""
 
+import pytest
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from angelgpt.config import parse
@@ -11,11 +12,13 @@ from tests.helpers import check_one_line_error, run_cli
 SP = ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"]
 
 
+@pytest.mark.subprocess
 def test_tp_not_dividing_the_sequence_is_one_line():
     proc = run_cli("train", "--size", "tiny", "--device", "cpu", "--nproc-per-node", "2", *SP, "model.seq_length=63")
     check_one_line_error(proc, "tensor_model_parallel_size (2), which must divide model.seq_length (63)")
 
 
+@pytest.mark.subprocess
 def test_tp1_turns_it_off_with_a_notice():
     proc = run_cli("train", "--size", "tiny", "--device", "cpu", "--dry-run", "parallel.sequence_parallel=true")
     assert proc.returncode == 0, proc.stderr

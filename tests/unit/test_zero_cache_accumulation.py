@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from angelgpt.optimizer import no_weight_decay
+from tests.helpers import one_quick
 
 MICRO = 4
 
@@ -90,7 +91,7 @@ def accumulate(device, in_store: bool, fp32: bool, micro: int = MICRO, step: boo
     return out
 
 
-@pytest.mark.parametrize("in_store", [True, False], ids=["in-store", "on-device"])
+@pytest.mark.parametrize("in_store", one_quick(False, [True, False]), ids=["in-store", "on-device"])
 def test_micro_batches_add_up_in_fp32(megatron_single_rank, in_store):
     """Four micro batches of a bf16 model: the running sums are fp32 (main grads on the device, or the
     store's buffers and slots), the flushed gradients equal the fp32 sum of the micro batches' gradients
@@ -133,7 +134,7 @@ def test_micro_batches_add_up_in_fp32(megatron_single_rank, in_store):
     r["opt"].close()
 
 
-@pytest.mark.parametrize("in_store", [True, False], ids=["in-store", "on-device"])
+@pytest.mark.parametrize("in_store", one_quick(False, [True, False]), ids=["in-store", "on-device"])
 def test_the_opt_out_adds_up_in_the_model_dtype(megatron_single_rank, in_store):
     """optim.accumulate_grads_in_fp32=false: buffers, slots and autograd's running sums in bf16, and the
     flushed gradients are the bf16 sum (off the fp32 one by bf16 rounding)."""
@@ -157,6 +158,7 @@ def test_one_micro_batch_keeps_gradients_in_the_model_dtype(megatron_single_rank
     r["opt"].close()
 
 
+@pytest.mark.slow  # the tiny model stepped with each CPU AdamW
 @pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
 def test_the_native_and_torch_cpu_adamw_agree_on_fp32_gradients(megatron_single_rank):
     """The one-pass kernel reads the fp32 sums (and writes bf16 weights) as torch's path does."""

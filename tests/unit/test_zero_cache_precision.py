@@ -5,9 +5,12 @@ for bit, bf16 moments (optim.exp_avg_dtype, exp_avg_sq_dtype) are the fp32 path'
 load across formats, and the placement counts the bytes the store allocates."""
 
 import contextlib
+import itertools
 
 import pytest
 import torch
+
+from tests.helpers import one_quick
 
 MICRO = 2
 FORMATS = {"remainders": ["optim.store_param_remainders=true"],
@@ -146,9 +149,8 @@ def tiers(opt) -> set:
             | ({"offloaded"} if any(s.partitioned) else set()))
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("cpu_adam", ["native", "torch"])
-@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("fmt,cpu_adam,layout", one_quick(("both", "torch", "offloaded"), itertools.product(
+    FORMATS, ["native", "torch"], LAYOUTS)))
 def test_compact_states_update_as_the_fp32_path_does(megatron_single_rank, tmp_path, fmt, cpu_adam, layout):
     """One step from the same model and batches: the master (decoded from remainders) equals the fp32
     path's bit for bit in every tier, bf16 moments are the fp32 path's rounded to nearest even, and the
@@ -224,6 +226,7 @@ def _load(model, opt, path):
     checkpoint.load(str(path), model, opt, _Scheduler())
 
 
+@pytest.mark.slow  # a save and a load through the checkpoint code each (tests/unit/test_checkpoint_saver.py is quick)
 @pytest.mark.parametrize("saved,loaded", [("fp32", "both"), ("both", "fp32"), ("both", "both"),
                                           ("remainders", "bf16-moments"), ("both", "fp32-model"),
                                           ("smallest", "smallest"), ("smallest", "fp32"), ("fp8-moments", "both"),
@@ -265,7 +268,7 @@ def test_a_checkpoint_loads_into_another_format(megatron_single_rank, tmp_path, 
         opt2.close()
 
 
-@pytest.mark.parametrize("fmt", ["fp32", "both", "smallest"])
+@pytest.mark.parametrize("fmt", one_quick("smallest", ["fp32", "both", "smallest"]))
 def test_placement_counts_what_the_store_allocates(megatron_single_rank, tmp_path, fmt):
     """The bytes placement planned per tier are the bytes the tiers allocated, in each format; the
     compact one plans 2 + 2 + 2 = 6 bytes a parameter fewer, fp8 moments 2 + 3 + 3 fewer and two fp32
@@ -384,9 +387,8 @@ def test_fp8_moments_keep_codes_exactly_and_round_the_rest_without_bias():
     assert torch.equal(r2.codes, rv.codes) and torch.equal(r2.scales, rv.scales)
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("cpu_adam", ["native", "torch"])
-@pytest.mark.parametrize("fmt", list(FP8))
+@pytest.mark.parametrize("fmt,cpu_adam,layout", one_quick(("smallest", "torch", "offloaded"), itertools.product(
+    FP8, ["native", "torch"], LAYOUTS)))
 def test_fp8_moments_update_as_the_fp32_path_within_a_code(megatron_single_rank, tmp_path, fmt, cpu_adam, layout):
     """One step in every tier from the same model and batches: the master equals the fp32 path's bit
     for bit (the first step's moments start at zero, which fp8 keeps exactly) and each moment is the

@@ -12,6 +12,7 @@ from angelgpt.zero_cache.tiers import NVMeTier
 SYSCALL_MAX = 0x7FFFF000
 
 
+@pytest.mark.slow  # writes and reads a 2 GiB file
 def test_a_chunk_larger_than_one_system_call_round_trips(tmp_path):
     numel = (SYSCALL_MAX + (1 << 20)) // 4
     if shutil.disk_usage(tmp_path).free < 2 * numel * 4:
@@ -29,6 +30,7 @@ def test_a_chunk_larger_than_one_system_call_round_trips(tmp_path):
     assert not tier.dir.exists()
 
 
+@pytest.mark.subprocess
 def test_chunks_a_killed_run_left_are_reclaimed_and_a_live_runs_are_kept(tmp_path):
     import subprocess
     import sys

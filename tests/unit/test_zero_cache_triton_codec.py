@@ -14,6 +14,8 @@ import torch
 
 from angelgpt.zero_cache.placement import FP8_BLOCK
 
+pytestmark = pytest.mark.subprocess  # the comparison runs in a child process
+
 
 def moment_values(n: int, gen: torch.Generator) -> torch.Tensor:
     """Values with a different magnitude per block (2**-150 .. 2**40), some blocks zero, some codes."""
