@@ -12,6 +12,8 @@ import yaml
 from angelgpt.config import parse, to_dict
 from tests.helpers import ROOT, check_one_line_error
 
+pytestmark = pytest.mark.subprocess  # every test starts the worker as torchrun would
+
 
 def _worker(*args):
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
