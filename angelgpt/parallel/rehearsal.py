@@ -103,8 +103,9 @@ def _own_chunk_reduce_scatter() -> None:
     one rank gives. torch's fake group does so on the CPU with torch 2.13; with 2.11 (the GPU machine's)
     it leaves the output as allocated, on the CPU and the GPU alike. Megatron's sequence-parallel
     backward reduce-scatters every layer's input gradient: left as allocated on the GPU, those gradients
-    were any bytes (every rehearsed gradient norm non-finite until 5d82cdc, finite since), and the GEMMs
-    that read them ran on such bytes, faster than on real values (compute-grid-tp.json's TP 2-8 points)."""
+    are any bytes, the rehearsed gradient norm is non-finite, and the GEMMs that read them run on such
+    bytes, faster than on real values (compute-grid-tp.json's TP 2-8 points are of such runs;
+    compute-grid-tp-patched.json's are not). So the output must hold the chunk under either torch."""
     def own_chunk(original):
         def reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
             work = original(output, input, op=op, group=group, async_op=async_op)
