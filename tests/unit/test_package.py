@@ -1,7 +1,8 @@
 """The presets live once, in the checkout's top-level configs/; a wheel carries them as the package
 angelgpt.configs: installed outside the checkout, `angelgpt presets` lists and shows them with no
 configs directory beside the package. The wheel holds every package under angelgpt/ (pyproject lists
-them, since angelgpt.configs is mapped from outside angelgpt/ and discovery would not follow it)."""
+them, since angelgpt.configs is mapped from outside angelgpt/ and discovery would not follow it) and its
+data files (package-data: the planner's calibration.json)."""
 
 import json
 import os
@@ -42,6 +43,8 @@ def test_wheel_carries_presets(tmp_path):
     packages = {init.parent.relative_to(ROOT).as_posix() for init in (ROOT / "angelgpt").rglob("__init__.py")}
     missing = sorted(p for p in packages if f"{p}/__init__.py" not in members)
     assert not missing, f"packages not in the wheel (add them to pyproject's [tool.setuptools] packages): {missing}"
+    data = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "angelgpt").rglob("*.json"))
+    assert data and set(data) <= members, f"data files not in the wheel (pyproject's package-data): {data}"
     site = tmp_path / "site"
     _run([sys.executable, "-m", "pip", "install", "--no-deps", "--target", str(site), str(wheel)],
          cwd=tmp_path, env=offline)
@@ -56,6 +59,11 @@ def test_wheel_carries_presets(tmp_path):
     presets_at = _run([sys.executable, "-c", "from angelgpt.config import PRESET_DIR; print(PRESET_DIR)"],
                       cwd=work, env=env)
     assert Path(presets_at.strip()).resolve() == (site / "angelgpt" / "configs").resolve(), presets_at
+
+    # the planner's constants load from the installed package's calibration.json
+    workspace = _run([sys.executable, "-c", "from angelgpt.planner.calibration import WORKSPACE; print(WORKSPACE)"],
+                     cwd=work, env=env)
+    assert int(workspace) == 3 * 2**30, workspace
 
     listed = _run([sys.executable, "-m", "angelgpt", "presets", "list"], cwd=work, env=env)
     names = {line.split()[0] for line in listed.splitlines()[1:] if line.strip()}
