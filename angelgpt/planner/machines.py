@@ -8,9 +8,10 @@ the memory, host memory and disk read on the machine), `read_this_machine` (that
 Also `Machine.to_json`: the reading the launcher resolved with, recorded in the run config it writes.
 Torch-free except `read_this_machine`.
 
-Measured figures are of the one-H200 test machine: ../shared/FACTS.md (probe/hw.py, probe/pin.py,
-beside the repository, not committed in it) and the committed result files under benchmarks/results/,
-each named in its figure's source (H200_STEP_RUNS for the compute rate). Those runs are the planner's
+Measured figures are of the one-H200 test machine: hardware probes of it (GPU and host memory, free
+disk, pinned PCIe and NVMe rates, CPU AdamW), whose readings have no committed result file and are quoted
+in their figures' sources (as FACTS.md, the probes' notes), and the committed result files under
+benchmarks/results/, each named in its figure's source (H200_STEP_RUNS for the compute rate). Those runs are the planner's
 calibration set; tests/data/planner_runs.json declares it, and the runs that validate the planner apart
 from it. The 8-GPU rows were never measured: their figures are assumed, most of them scaled from the H200's.
 """
