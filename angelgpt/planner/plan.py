@@ -9,8 +9,8 @@ assumed constants and their sources), memory (activations, micro batches in flig
 timing (compute and the host update's rates), systemplan (SystemPlan and the totals, margins and
 bottleneck of a plan), one module per system (megatron, megatron_cpu_offload, zero_cache,
 zero3_offload: a rank's memory and step as configured) and search (the 'auto' choices). planner.resolve
-turns the choices into a concrete config. Every name this module had before that split is importable
-from it still.
+turns the choices into a concrete config. This module re-exports the model's names its callers import
+(__all__).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from angelgpt.planner.systemplan import SystemPlan, shortfall, world_and_dp
 from angelgpt.planner.timing import forward_share, host_update_rates
 from angelgpt.planner.zero_cache import (device_update_fraction, offload_params_on, rank_tier_bytes,
                                          stream_held_bytes)
-# placement's constants, importable from here as before the split; zero_cache.plan_step reads SLICE from
+# placement's constants, importable from here (__all__); zero_cache.plan_step reads SLICE from
 # planner.zero_cache, so a test that patches the upload slice must patch it there
 from angelgpt.zero_cache.placement import GPU_HEADROOM, SLICE, STATES
 

@@ -89,7 +89,8 @@ class StateFormat:
 
     @classmethod
     def from_metadata(cls, metadata: Optional[dict]) -> "StateFormat":
-        """The format a checkpoint was saved in (as_metadata); fp32 for one saved before formats."""
+        """The format a checkpoint was saved in (as_metadata); fp32 states, no remainders, for one whose
+        metadata records no format."""
         saved = (metadata or {}).get("zero_cache_state_format") or {}
         return cls(bool(saved.get("remainders", False)), saved.get("exp_avg", "fp32"),
                    saved.get("exp_avg_sq", "fp32"))

@@ -1,8 +1,8 @@
 """The state codec's CUDA kernels: precision.py's torch arithmetic, the same bits, in one pass each.
 
 torch's codec writes an fp8 moment in some forty element-wise operations (int64 random bits, the
-stochastic rounding, the blockwise scales), each a pass over memory: on the GPU the device update of
-host chunks was bound by them, not by PCIe. These Triton kernels do each of precision.py's four
+stochastic rounding, the blockwise scales), each a pass over memory: on the GPU they bound the device
+update of host chunks, not PCIe. These Triton kernels do each of precision.py's four
 conversions in one pass, with the same integer arithmetic (the random bits in 32-bit unsigned
 arithmetic, which is what precision.py's masked int64 arithmetic computes) and only exact or
 correctly rounded float operations (sqrt_rn, div_rn), and the decoded values built from their integer
