@@ -82,15 +82,13 @@ class MegatronDistributedOptimizer(Optimizer):
         return sorted(classes, key=lambda c: f"{c.__module__}.{c.__qualname__}")
 
     def reload_model_params(self) -> None:
-        if not self.offloaded:
-            self.inner.reload_model_params()  # the model's weights into Megatron's fp32 main params
-            return
-        # Megatron's reload hands a HybridDeviceOptimizer only its own fp32 copies (none here: its params
-        # are Megatron's fp32 main params): the main params are filled from the model here, then the
-        # host copies its step updates from them
-        for distributed in _distributed_optimizers(self.inner):
-            _main_params_from_model(distributed)
-            _refresh_host_copies(distributed.optimizer)
+        if self.offloaded:  # Megatron's reload skips the main params a HybridDeviceOptimizer steps on
+            for distributed in _distributed_optimizers(self.inner):
+                _main_params_from_model(distributed)
+        self.inner.reload_model_params()  # the model's weights into the fp32 main params (the hybrid's copies)
+        if self.offloaded:  # and those into the HybridDeviceOptimizers' host copies, which its step updates
+            for hybrid in _torch_optimizers(self.inner):
+                _refresh_host_copies(hybrid)
 
     def load_state_dict(self, state: dict) -> None:
         distributed = _distributed_optimizers(self.inner)
