@@ -184,8 +184,20 @@ def build_gpt(cfg: Config, on_gpu: bool, perform_initialization: bool = True, de
         _rope_on_cpu(model)
     torch.manual_seed(cfg.train.seed + 1)
     if on_gpu:
-        model._apply(lambda t: t if t.is_meta else t.to(device))  # deferred layers stay on 'meta'
+        _to_device(model, device)
     return model
+
+
+def _to_device(model: torch.nn.Module, device: torch.device) -> None:
+    """The model's parameters and buffers moved to `device` in place (each parameter stays the same
+    object, with the attributes Megatron set on it), except a deferred layer's, which stay on 'meta'."""
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if not param.is_meta:
+                param.data = param.data.to(device)
+        for name, buffer in module.named_buffers(recurse=False):
+            if not buffer.is_meta:
+                setattr(module, name, buffer.to(device))
 
 
 class CPURotaryEmbedding(RotaryEmbedding):

@@ -140,7 +140,8 @@ def _main_params_from_model(distributed) -> None:
         for model_groups, main_groups in pairs:
             for model_group, main_group in zip(model_groups, main_groups):
                 for model_param, main_param in zip(model_group, main_group):
-                    span = distributed._get_model_param_range_map(model_param)["param"]
+                    buffer, dtype, bucket = distributed.model_param_gbuf_map[model_param]
+                    span = distributed.gbuf_ranges[buffer][dtype][bucket]["param_map"][model_param]["param"]
                     main_param.copy_(model_param.detach().view(-1)[span.start:span.end])
 
 

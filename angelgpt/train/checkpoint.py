@@ -34,7 +34,7 @@ from angelgpt.parallel.log import get_logger
 from angelgpt.system import GIB
 from angelgpt.train.checkpoint_check import MANIFEST, TRACKER, find_checkpoint, latest_iteration  # noqa: F401
 from angelgpt.train.checkpoint_check import iter_dir as _iter_dir
-from angelgpt.train.checkpoint_writer import HostStaging, PlanningStrategy, host_memory_available
+from angelgpt.train.checkpoint_writer import HostStaging, ShardsStrategy, WriteJob, host_memory_available
 
 log = get_logger(__name__)
 
@@ -188,6 +188,7 @@ class Saver:
         self._told = False
         self.last_save_s: Optional[float] = None  # the last finalized save's time, start to finalized
         self.staging = HostStaging()  # kept from save to save: after the first, a save allocates nothing
+        self.group: Optional[dist.ProcessGroup] = None  # asynchronous writes' own group (_writer_group)
 
     def save(self, iteration: int, consumed: int, model, optimizer, scheduler, asynchronous: bool) -> None:
         started = time.perf_counter()
@@ -198,7 +199,7 @@ class Saver:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         dist.barrier()
-        strategy = PlanningStrategy()
+        strategy = ShardsStrategy()
         with optimizer.materialized():
             from angelgpt.optimizer.megatron import CHECKPOINT_METADATA
 
@@ -206,20 +207,23 @@ class Saver:
             dist_checkpointing.save(_state(model, optimizer, scheduler, iteration, consumed, loading=False,
                                            metadata=metadata),
                                     str(tmp), sharded_strategy=strategy, content_metadata=metadata)
-            job = strategy.job
+            job = WriteJob(strategy.shards, tmp)
             staged = (asynchronous or not self.multi_slice) and not self._told and self.room_for(
                 job.staging_bytes() - self.staging.nbytes(), asynchronous)
             if staged:
                 job.stage(self.staging)  # the states as of this iteration: the next step updates them in place
+            # an asynchronous save writes over its own group on every rank, on a thread where this rank
+            # staged its tensors, here (from where they live) where it had no room
+            group = self._writer_group() if asynchronous else None
             if not (staged and asynchronous):
-                job.write()
+                job.write(group)
         event = {"save_iteration": iteration, "async": int(staged and asynchronous),
                  "staged_gib": job.staged_bytes / GIB}
         self.pending = (iteration, tmp, job, event)
         if not asynchronous:
             self._finalize()
         elif staged:
-            job.start()
+            job.start(group)
         # (an asynchronous save a rank wrote synchronously is finalized with the others' all the same)
         event["stall_s"] = time.perf_counter() - started
         if not event["async"]:  # finalized here (synchronous) or written here (a rank without room)
@@ -227,6 +231,13 @@ class Saver:
         self.events.append(event)
         if not asynchronous:  # an asynchronous one says so once written (_finalize)
             log.info(f"saved the checkpoint of iteration {iteration} in {final} ({event['stall_s']:.2f} s)")
+
+    def _writer_group(self) -> dist.ProcessGroup:
+        """The gloo group asynchronous writes run their collectives on, used by nothing else (a
+        collective: made at the first asynchronous save, which every rank reaches together)."""
+        if self.group is None:
+            self.group = dist.new_group(backend="gloo")
+        return self.group
 
     def room_for(self, nbytes: int, asynchronous: bool) -> bool:
         """Whether this rank's host memory holds a staged copy of nbytes; else the save is written from
@@ -310,10 +321,11 @@ def save_model_only(root: str, model, config: dict) -> None:
     tmp.mkdir(parents=True)
     try:
         state = {"model": _module(model).sharded_state_dict(), "iteration": 0, "consumed_samples": 0}
-        strategy = PlanningStrategy()
+        strategy = ShardsStrategy()
         dist_checkpointing.save(state, str(tmp), sharded_strategy=strategy, content_metadata={MODEL_ONLY: True})
-        strategy.job.write()
-        _write_manifest(tmp, 0, config, strategy.job.finish())
+        job = WriteJob(strategy.shards, tmp)
+        job.write()
+        _write_manifest(tmp, 0, config, job.finish())
         manifest = json.loads((tmp / MANIFEST).read_text())
         (tmp / MANIFEST).write_text(json.dumps({**manifest, MODEL_ONLY: True}, indent=1))
         os.replace(tmp, _iter_dir(Path(root), 0))

@@ -1,42 +1,47 @@
-"""Writing a checkpoint's tensors: PyTorch DCP's save split in three, as Megatron's async save splits it.
+"""Writing a checkpoint's tensors with PyTorch DCP's public save, in Megatron's torch_dist format.
 
-    job = strategy.job                    # planned inside dist_checkpointing.save (collective)
-    job.start() / job.write()             # file I/O only: a background thread, or the training thread
-    written = job.finish()                # collective: the write results gathered, DCP's .metadata written
+    strategy = ShardsStrategy()
+    dist_checkpointing.save(state, dir, sharded_strategy=strategy)  # common state; the shards handed over
+    job = WriteJob(strategy.shards, dir)
+    job.stage(staging)                    # optional: host copies of what this rank writes
+    job.write() / job.start(group)        # dcp.save: now, or on a thread over a process group of its own
+    written = job.finish()                # collective: every rank's outcome and files gathered
 
-Planning and finishing are collectives and run in the training thread on every rank; the write does
-no communication, so a thread may run it while training goes on. An asynchronous write first copies
-every tensor this rank writes into host memory (`staged`, into a buffer kept from save to save:
-HostStaging), so that the next optimizer step, which
-updates the states in place, cannot change what is written. Each data file's size and CRC32 are taken
-from the bytes as they are written (`written`, for the manifest), not by reading the files back.
+Megatron's dist_checkpointing.save writes the common state and hands the sharded tensors to the strategy;
+the strategy keeps this rank's main replicas grouped by key (each stored tensor written by one rank).
+An asynchronous write first copies every tensor this rank writes into host memory (`stage`, into a
+buffer kept from save to save: HostStaging), so that the next optimizer step, which updates the states
+in place, cannot change what is written; then DCP's save (its planning, write and metadata, collectives
+included) runs on a daemon thread over a gloo group used by nothing else, as dcp.async_save runs it (whose
+executor thread the interpreter would wait for at exit: a write stuck on a lost rank would keep a failed
+process alive). Each data file's size and CRC32 are taken from the bytes as they are written
+(`written`, for the manifest), not by reading the files back.
 
-Owns: the DCP writer, plan and staged copies of one save, its writer thread and its timings.
+Owns: the DCP writer and the state dict of one save, its staged copies, its writer thread and timings.
 """
 
 from __future__ import annotations
 
-import inspect
 import os
 import threading
 import time
 import zlib
+from collections import defaultdict
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedObject, ShardedTensor, is_main_replica
 from megatron.core.dist_checkpointing.strategies.torch import (
     MCoreSavePlanner,
     TorchDistSaveShardedStrategy,
-    _replace_state_dict_keys_with_sharded_keys,
     mcore_to_pyt_state_dict,
 )
-from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
-from torch.distributed.checkpoint.planner import WriteItemType
-from torch.distributed.checkpoint.utils import _DistWrapper, _get_failure_dict, _wrap_exception
 
 from angelgpt.system import mem_available_bytes
 
@@ -83,6 +88,10 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
 
 
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
 class HostStaging:
     """The host memory asynchronous saves stage into: one buffer, allocated at the first save and kept
     for the next ones (grown when a save needs more), page-locked in place where CUDA runs so that the
@@ -111,97 +120,74 @@ class HostStaging:
         self.buffer, self.pinned = None, False
 
 
-class _StagedPlanner:
-    """The planner, its data answered from the staged copies."""
+class ShardsStrategy(TorchDistSaveShardedStrategy):
+    """Megatron's torch_dist format through dist_checkpointing.save, which saves the common state and
+    calls save() with the sharded tensors: save() keeps this rank's main replicas grouped by key
+    (`shards`, what Megatron's own torch_dist saver writes) for a WriteJob; nothing is copied or written."""
 
-    def __init__(self, planner, staged: dict):
-        self.planner, self.staged = planner, staged
+    def __init__(self):
+        super().__init__("torch_dist", 1, keep_only_main_replica=True)
+        self.shards: Optional[Dict[str, List[ShardedBase]]] = None
 
-    def resolve_data(self, item):
-        return self.staged[item.index]
-
-    def __getattr__(self, name):
-        return getattr(self.planner, name)
+    def save(self, sharded_state_dict, checkpoint_dir):
+        grouped = defaultdict(list)
+        for sharded in nested_values(sharded_state_dict):
+            if is_main_replica(sharded.replica_id):
+                grouped[sharded.unique_key if isinstance(sharded, ShardedObject) else sharded.key].append(sharded)
+        self.shards = dict(grouped)
 
 
 class WriteJob:
-    """One save's tensors on this rank: planned, then written (now or by a thread), then finished."""
+    """One save's tensors on this rank: staged or not, then written (now or by a thread), then finished."""
 
-    def __init__(self, state_dict: dict, checkpoint_dir: Path, keep_only_main_replica: bool):
-        self.writer = FileSystemWriter(str(checkpoint_dir))
+    def __init__(self, shards: Dict[str, List[ShardedBase]], checkpoint_dir: Path):
+        self.shards = shards
+        self.writer = dcp.FileSystemWriter(str(checkpoint_dir))
         self.fs = self.writer.fs = _CRCFileSystem()
-        self.planner = MCoreSavePlanner(dedup_replicated_tensors=not keep_only_main_replica,
-                                        flatten_state_dict=False)
-        self.dist = _DistWrapper(None, True, 0)
-        self.metadata = None
-        self.writes_from = self.planner
         self.staged_bytes = 0
-        self.results = None
+        self.error: Optional[BaseException] = None
         self.thread: Optional[threading.Thread] = None
         self.write_s = 0.0
-        self.plan = self._plan(state_dict)
 
-    def _plan(self, state_dict):
-        """DCP's planning (torch.distributed.checkpoint.state_dict_saver._save_state_dict): every rank's
-        local plan gathered, the global plan and metadata made on the coordinator, scattered back."""
-        def local_step():
-            self.planner.set_up_planner(state_dict=state_dict, storage_meta=self.writer.storage_meta(),
-                                        is_coordinator=self.dist.is_coordinator)
-            if "kwargs" in inspect.signature(self.writer.set_up_storage_writer).parameters:  # as DCP calls it
-                self.writer.set_up_storage_writer(self.dist.is_coordinator, rank=self.dist.rank, use_collectives=True)
-            else:
-                self.writer.set_up_storage_writer(self.dist.is_coordinator)
-            return self.writer.prepare_local_plan(self.planner.create_local_plan())
-
-        def global_step(plans):
-            plans, self.metadata = self.planner.create_global_plan(plans)
-            return self.writer.prepare_global_plan(plans)
-
-        return self.planner.finish_plan(self.dist.reduce_scatter("plan", local_step, global_step))
+    def _tensors(self):
+        return [s for group in self.shards.values() for s in group if isinstance(s, ShardedTensor)]
 
     def staging_bytes(self) -> int:
         """Host bytes a staged copy of what this rank writes takes (each tensor aligned)."""
-        total = 0
-        for item in self.plan.items:
-            if item.type != WriteItemType.BYTE_IO:
-                data = self.planner.resolve_data(item)
-                total += _aligned(data.numel() * data.element_size())
-        return total
+        return sum(_aligned(_nbytes(s.data)) for s in self._tensors())
 
     def stage(self, staging: HostStaging) -> None:
-        """Copies every item this rank writes into `staging`'s buffer (tensors, the device's ones as
-        asynchronous copies waited for together) or bytes (objects)."""
-        buffer = staging.reserve(self.staging_bytes())
-        staged, offset = {}, 0
-        for item in self.plan.items:
-            data = self.planner.resolve_data(item)
-            if item.type == WriteItemType.BYTE_IO:
-                staged[item.index] = data
-                continue
-            nbytes = data.numel() * data.element_size()
+        """Every tensor this rank writes copied into `staging`'s buffer (the device's ones as asynchronous
+        copies waited for together); what is written from then on is the copies."""
+        buffer, offset = staging.reserve(self.staging_bytes()), 0
+        for sharded in self._tensors():
+            data, nbytes = sharded.data, _nbytes(sharded.data)
             copy = buffer[offset:offset + nbytes].view(data.dtype).view(data.shape)
-            staged[item.index] = copy.copy_(data.detach(), non_blocking=staging.pinned)
+            sharded.data = copy.copy_(data.detach(), non_blocking=staging.pinned)
             offset += _aligned(nbytes)
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
-        self.staged_bytes = sum(t.numel() * t.element_size() for t in staged.values() if isinstance(t, torch.Tensor))
-        self.writes_from = _StagedPlanner(self.planner, staged)
+        self.staged_bytes = sum(_nbytes(s.data) for s in self._tensors())
         # staged tensors are on the host already: the writer's device-to-host loader (a CUDA stream,
         # on the writer thread's current device) is not wanted
         self.writer.per_thread_copy_ahead = 0
 
-    def write(self) -> None:
-        """Writes this rank's files (no communication); the results or the error are kept for finish()."""
+    def write(self, group: Optional[dist.ProcessGroup] = None) -> None:
+        """DCP's save of this rank's shards over `group` (None: the default group); every rank calls it
+        with the same group. A failure is kept for finish()."""
         started = time.perf_counter()
         try:
-            self.results = self.writer.write_data(self.plan, self.writes_from).value()
+            dcp.save(mcore_to_pyt_state_dict(self.shards, False), storage_writer=self.writer,
+                     planner=MCoreSavePlanner(dedup_replicated_tensors=False, flatten_state_dict=False),
+                     process_group=group)
         except BaseException as exc:  # reported to every rank by finish()
-            self.results = _wrap_exception(exc)
+            self.error = exc
         self.write_s = time.perf_counter() - started
 
-    def start(self) -> None:
-        """write() in a background thread."""
-        self.thread = threading.Thread(target=self.write, name="angelgpt-checkpoint-writer", daemon=True)
+    def start(self, group: dist.ProcessGroup) -> None:
+        """write(group) in a background thread (a daemon: see the module docstring)."""
+        self.thread = threading.Thread(target=self.write, args=(group,), name="angelgpt-checkpoint-writer",
+                                       daemon=True)
         self.thread.start()
 
     def done(self) -> bool:
@@ -214,47 +200,23 @@ class WriteJob:
         return self.done()
 
     def finish(self) -> Optional[Dict[str, Tuple[int, int]]]:
-        """Collective, after write() on every rank: the coordinator writes DCP's .metadata from all
-        ranks' write results; on rank 0 returns every data file's (size, CRC32) as written. A rank's
-        failed write raises CheckpointException on every rank."""
+        """Collective, after write() on every rank: on rank 0 every data file's (size, CRC32) as written,
+        None elsewhere. A rank's failed write raises on every rank, naming the ranks and their errors."""
         self.join()
-        gathered = self.dist.gather_object((self.results, self.fs.written))
-        outcome = None
-        if self.dist.is_coordinator:
-            results = [r for r, _ in gathered]
-            failures = _get_failure_dict(results)
-            if not failures:
-                try:
-                    self.writer.finish(metadata=self.metadata, results=results)
-                except BaseException as exc:
-                    failures = {self.dist.rank: _wrap_exception(exc)}
-            if failures:
-                outcome = CheckpointException("write", failures)
-            else:
-                outcome = {name: meta for _, written in gathered for name, meta in written.items()}
-        outcome = self.dist.broadcast_object(outcome)
-        if isinstance(outcome, CheckpointException):
-            raise outcome
-        self.writes_from = self.planner  # the staged copies are freed
-        return outcome if self.dist.is_coordinator else None
-
-
-class PlanningStrategy(TorchDistSaveShardedStrategy):
-    """Megatron's torch_dist format through dist_checkpointing.save, which saves the common state and
-    calls save() with the sharded tensors: save() only plans (a WriteJob, left in `job`); the caller
-    writes and finishes it. The state dict's tensors stay where they are until written or staged."""
-
-    def __init__(self):
-        super().__init__("torch_dist", 1)
-        self.job: Optional[WriteJob] = None
-
-    def save(self, sharded_state_dict, checkpoint_dir):
-        state, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
-        self.job = WriteJob(mcore_to_pyt_state_dict(state, False), Path(checkpoint_dir), self.keep_only_main_replica)
+        outcomes = [None] * dist.get_world_size()
+        error = None if self.error is None else f"{type(self.error).__name__}: {str(self.error).strip()[:400]}"
+        dist.all_gather_object(outcomes, (error, self.fs.written))
+        failed = {rank: error for rank, (error, _) in enumerate(outcomes) if error}
+        if failed:
+            raise RuntimeError(f"checkpoint write failed on rank(s) {sorted(failed)}: "
+                               + "; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items())))
+        self.shards = {}  # the staged copies are freed
+        if dist.get_rank() != 0:
+            return None
+        return {name: meta for _, written in outcomes for name, meta in written.items()}
 
 
 def host_memory_available() -> int:
     """Bytes of host memory one rank may take for a staged copy: what the node has available, shared by
     its local ranks, which stage at the same time."""
     return int(mem_available_bytes() * 0.9) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-

@@ -214,7 +214,7 @@ class Profiling:
                 self._stop_profile()
                 wrote = True
         if self.snapshot and iteration >= self.snapshot_after:
-            self._dump_snapshot()
+            self._write_snapshot()
             wrote = True
         return wrote
 
@@ -225,7 +225,7 @@ class Profiling:
         if self.prof is not None:
             self._stop_profile()
         if self.snapshot:
-            self._dump_snapshot()
+            self._write_snapshot()
 
     def _stop_profile(self) -> None:
         if self.on_gpu:
@@ -236,7 +236,7 @@ class Profiling:
                  f"{self.profiled[0]}{f'-{self.profiled[-1]}' if len(self.profiled) > 1 else ''} written under "
                  f"{self.profile_dir} (one .pt.trace.json per rank; `tensorboard --logdir` with torch-tb-profiler)")
 
-    def _dump_snapshot(self) -> None:
+    def _write_snapshot(self) -> None:
         Path(self.snapshot).parent.mkdir(parents=True, exist_ok=True)
         torch.cuda.memory._dump_snapshot(self.snapshot)
         torch.cuda.memory._record_memory_history(enabled=None)

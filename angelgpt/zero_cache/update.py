@@ -25,6 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Dict, List, Optional, Tuple
 
 import torch
+from torch.optim.adamw import adamw
 
 from angelgpt.zero_cache.placement import CODEC_SLICE, DEVICE_UPDATE_SLICE, STATES, slices
 from angelgpt.zero_cache.precision import decode, encode
@@ -128,9 +129,10 @@ class Update:
         """torch's fused AdamW of fp32 rows (master, exp_avg, exp_avg_sq) from an fp32 gradient."""
         lr, wd = hyper[0 if c.decay else 1]
         scale = None if coef >= 1.0 else torch.full((), 1.0 / coef, dtype=torch.float32, device=grad.device)
-        torch._fused_adamw_([states[0]], [grad], [states[1]], [states[2]], [], [c.step],
-                            lr=lr, beta1=self.betas[0], beta2=self.betas[1],
-                            weight_decay=wd, eps=self.eps, amsgrad=False, maximize=False, grad_scale=scale)
+        # torch's functional AdamW counts the step itself: it is handed the count before this update
+        adamw([states[0]], [grad], [states[1]], [states[2]], [], [c.step - 1], fused=True, grad_scale=scale,
+              lr=lr, beta1=self.betas[0], beta2=self.betas[1], weight_decay=wd, eps=self.eps, amsgrad=False,
+              maximize=False)
 
     def _native_adamw(self, c: Chunk, states, grad: torch.Tensor, hyper, coef: float, out=None, hi=None,
                       base: int = 0) -> None:

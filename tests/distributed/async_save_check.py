@@ -29,11 +29,11 @@ def main() -> None:
     trainer = make_trainer(cfg)
     stepped = threading.Event()
 
-    def held_start(job):  # WriteJob.start, its thread first waiting for the next optimizer step
+    def held_start(job, group):  # WriteJob.start, its thread first waiting for the next optimizer step
         def run():
             if not stepped.wait(120):
                 raise RuntimeError("no optimizer step after the save")
-            job.write()
+            job.write(group)
 
         job.thread = threading.Thread(target=run, daemon=True)
         job.thread.start()
