@@ -167,12 +167,10 @@ def rehearse(job: "Job", options: Options) -> None:
 
 
 def _ranks(job: "Job", options: Options) -> List[int]:
-    """The ranks to rehearse, the options checked (ConfigError: one line naming the option)."""
+    """The ranks to rehearse, the options checked (ConfigError: one line naming the option; --machine is
+    the job's, checked by prepare)."""
     from angelgpt.config import ConfigError
-    from angelgpt.planner import MACHINES
 
-    if options.machine is not None and options.machine not in MACHINES:
-        raise ConfigError(f"--machine must be one of {', '.join(MACHINES)}, got '{options.machine}'")
     for name, value in (("--gpu-mem", options.gpu_mem), ("--host-mem", options.host_mem)):
         if value is not None and not value > 0:
             raise ConfigError(f"{name} must be > 0 GiB, got {value}")

@@ -180,7 +180,7 @@ def test_a_rehearsed_rank_takes_every_core_unless_told(monkeypatch):
     assert rank_env(True, "zero_cache")["OMP_NUM_THREADS"] == "3"
 
 
-def test_rehearse_takes_the_job_as_train_does():
+def test_a_rehearsal_dry_run_prints_the_ranks_command():
     """`angelgpt rehearse` takes the job as `train` does (a dry run: the config and the rank's command,
     nothing run); a bad value is one line, exit 2."""
     job = ["--size", "tiny", "--device", "cpu", "--nproc-per-node", "2", "parallel.tensor_model_parallel_size=2",
