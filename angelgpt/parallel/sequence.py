@@ -28,8 +28,6 @@ def allreduce_sequence_parallel_grads(params: Iterable[torch.nn.Parameter]) -> N
     """Sums, in place over the TP group, the gradients of the parameters marked ``sequence_parallel``
     (one all-reduce; a parameter without a gradient contributes zeros). A no-op with TP 1 or none marked.
     Every TP rank must call it with the same parameters in the same order."""
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
     marked = sequence_parallel_params(params)
     group = parallel_state.get_tensor_model_parallel_group()
     if not marked or group.size() == 1:
@@ -38,10 +36,10 @@ def allreduce_sequence_parallel_grads(params: Iterable[torch.nn.Parameter]) -> N
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     grads = [p.grad for p in marked]
-    flat = _flatten_dense_tensors(grads)
+    flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat, group=group)
-    for grad, summed in zip(grads, _unflatten_dense_tensors(flat, grads)):
-        grad.copy_(summed)
+    for grad, summed in zip(grads, flat.split([g.numel() for g in grads])):
+        grad.copy_(summed.view_as(grad))
 
 
 @contextlib.contextmanager
