@@ -77,8 +77,7 @@ def measure(size: str, tp: int, micro_batches, iters: int, warmup: int) -> list:
     from angelgpt import parallel
     from angelgpt.model.flops import head_forward_flops_per_token, layer_forward_flops_per_token
 
-    parallel.initialize(tp, 1, on_gpu=True, rehearse=parallel.Rehearsal(rank=0, world_size=tp))
-    try:
+    with parallel.Rehearsal(rank=0, world_size=tp).started(tp, 1, on_gpu=True):
         timed = {}
         for layers in (1, 3):
             cfg, model = _model(size, tp, layers)
@@ -90,8 +89,6 @@ def measure(size: str, tp: int, micro_batches, iters: int, warmup: int) -> list:
                 torch.cuda.empty_cache()
             del model
             torch.cuda.empty_cache()
-    finally:
-        parallel.destroy()
     out = []
     for mb in micro_batches:
         one, three = timed[1, mb], timed[3, mb]

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Rehearsals of the reference jobs on one GPU (`angelgpt train --rehearse`), one result file each under
+# Rehearsals of the reference jobs on one GPU (`angelgpt rehearse`), one result file each under
 # benchmarks/results/ (rehearse-SIZE-MACHINE[-runN].json, named by benchmarks.results, with command, commit
 # and this machine):
 #   55 and 28 as shipped on the reference node (8x A100-40G, 1000 GiB host: --machine a100-40gx8
@@ -25,9 +25,9 @@ for c in $cases; do
   name=rehearse-$size-$machine${cap:+-gpu$cap}
   f=$(PYTHONPATH=$here python3 -m benchmarks.results path "$results" "$name")  # NAME.json, else NAME-runN.json
   echo "== $c -> $(basename "$f") ($(date -u +%T))"
-  ( cd "$tree" && timeout -k 10 "${CASE_S:-300}" python3 -m angelgpt train --size "$size" --rehearse \
-      --nproc-per-node 8 --machine "$machine" --host-mem "$host" ${cap:+--gpu-mem "$cap"} --rehearse-steps "${STEPS:-3}" \
-      --rehearse-report "$f" ) 2>&1 | grep -v "Warning\|warn(" | cut -c1-600 | tail -40
+  ( cd "$tree" && timeout -k 10 "${CASE_S:-300}" python3 -m angelgpt rehearse --size "$size" \
+      --nproc-per-node 8 --machine "$machine" --host-mem "$host" ${cap:+--gpu-mem "$cap"} --steps "${STEPS:-3}" \
+      --report "$f" ) 2>&1 | grep -v "Warning\|warn(" | cut -c1-600 | tail -40
   echo "exit ${PIPESTATUS[0]}"
   [ -n "${OUT:-}" ] && [ -f "$f" ] && cp "$f" "$OUT/"
 done

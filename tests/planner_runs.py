@@ -4,7 +4,7 @@ tests/data/planner_runs.json declares, for the committed H200 result files of be
 the calibration set (each file with the planner constants it set; the planner's source names every one
 of them beside its constant), the validation set (every other usable run, with any reconstruction it
 needs and any quantity left unchecked, each with its reason) and the runs excluded from both (with
-their reasons). Also the pattern of rehearsal reports (`angelgpt train --rehearse --rehearse-report`),
+their reasons). Also the pattern of rehearsal reports (`angelgpt rehearse --report`),
 whose ranks are checked against the prediction recorded beside them.
 
 Owns: `declared` (that file), `config_of` (the config a bench result ran, rebuilt from its command and

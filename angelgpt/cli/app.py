@@ -18,9 +18,9 @@ from typing import List, Optional
 
 import typer
 
+from angelgpt.cli import launch
 from angelgpt.cli.launch import fail
 from angelgpt.cli.tools import data_app, import_command, presets_app, tokenizer_app
-from angelgpt.cli.rehearse import as_command, refuse_without_gpu
 from angelgpt.config import ConfigError, parse
 from angelgpt.train import checkpoint_check  # (no torch: a --load is checked before torch is imported)
 
@@ -40,23 +40,6 @@ NNODES = typer.Option(1, "--nnodes", min=1)
 # the options `train` and `rehearse` share (a rehearsal describes the job's target with them)
 NPROC = typer.Option(None, "--nproc-per-node", help="workers per node (of the job a rehearsal plays)")
 DEVICE = typer.Option(None, "--device", help="cpu or cuda (this machine's, for a rehearsal)")
-MACHINE = typer.Option(None, "--machine", help="catalogue machine whose figures describe the target of a rehearsal "
-                       "or a dry run (default: this machine's GPU)")
-GPU_MEM = typer.Option(None, "--gpu-mem", help="for a rehearsal: GiB per GPU of the target (default: this GPU's, "
-                       "or --machine's)")
-HOST_MEM = typer.Option(None, "--host-mem", help="for a rehearsal: GiB of host memory per node of the target "
-                        "(default: this machine's available, or --machine's)")
-
-
-def _detect_gpu(device: Optional[str]) -> bool:
-    if device == "cpu":
-        return False
-    import torch
-
-    available = torch.cuda.is_available()
-    if device == "cuda" and not available:
-        fail("--device cuda but no CUDA GPU is visible")
-    return available
 
 
 @app.command()
@@ -122,107 +105,41 @@ def train(
     save: Optional[str] = typer.Option(None, "--save", help="checkpoint directory to save into"),
     load: Optional[str] = typer.Option(None, "--load", help="checkpoint directory to resume from"),
     force: bool = typer.Option(False, "--force", help="launch even when the planner says it will not fit"),
-    rehearse: bool = typer.Option(False, "--rehearse", help="the same as `angelgpt rehearse`: this job's ranks one "
-                                  "by one on this machine (fake collectives), each beside the planner's prediction"),
-    rehearse_rank: Optional[List[int]] = typer.Option(None, "--rehearse-rank", help="rank to rehearse; repeatable "
-                                                      "(default: rank 0 of the first, a middle and the last stage)"),
-    rehearse_steps: int = typer.Option(3, "--rehearse-steps", help="training steps per rehearsed rank"),
-    rehearse_report: Optional[str] = typer.Option(None, "--rehearse-report", help="JSON report of the rehearsal "
-                                                  "(default: --metrics-file)"),
-    gpu_mem: Optional[float] = GPU_MEM,
-    host_mem: Optional[float] = HOST_MEM,
-    machine: Optional[str] = MACHINE,
+    machine: Optional[str] = typer.Option(None, "--machine", help="catalogue machine a dry run plans and resolves "
+                                          "for (default: this machine)"),
 ) -> None:
-    """Resolve the config, print it and the parameter count, check the plan, and launch torchrun workers
-    (with --rehearse: rehearse the job's ranks one at a time on this machine instead)."""
-    from angelgpt.cli import job, launch
-    from angelgpt.planner import MACHINES, machine_from
+    """Resolve the config, print it and the parameter count, check the plan, and launch torchrun workers."""
+    from angelgpt.cli.prepare import prepare
+    from angelgpt.cli.slurm import fill
 
-    extra = list(overrides or [])
-    if device not in (None, "cpu", "cuda"):
-        fail(f"--device must be 'cpu' or 'cuda', got '{device}'")
-    if not rehearse:  # in a multi-node Slurm job the flags not given come from srun's environment
-        from angelgpt.cli.slurm import fill
+    # in a multi-node Slurm job the flags not given come from srun's environment
+    nnodes, node_rank, master_addr, master_port = fill(nnodes, node_rank, master_addr, master_port, rdzv_endpoint)
+    extra = [*(overrides or []), *(f"{key}={value}" for key, value in (
+        ("logging.metrics_file", metrics_file), ("checkpoint.save", save), ("checkpoint.load", load)) if value)]
+    if machine is not None and not dry_run:
+        fail(f"--machine applies to a dry run: add --dry-run (`angelgpt rehearse --machine {machine}` rehearses "
+             f"the job for it)")
+    job = prepare(size, config, extra, device, nproc_per_node, nnodes or 1, machine, launch_dry_run=dry_run)
+    _launch(job, launch.Rendezvous(job.nproc_per_node, job.nnodes, node_rank or 0, master_addr, master_port,
+                                   rdzv_endpoint, max_restarts), machine, dry_run, force)
 
-        nnodes, node_rank, master_addr, master_port = fill(nnodes, node_rank, master_addr, master_port, rdzv_endpoint)
-    nnodes, node_rank = nnodes or 1, node_rank or 0
-    if device:
-        extra.append(f"train.device={device}")
-    if metrics_file:
-        extra.append(f"logging.metrics_file={metrics_file}")
-    if save:
-        extra.append(f"checkpoint.save={save}")
-    if load:
-        extra.append(f"checkpoint.load={load}")
-    cfg = parse(size, config, extra)
-    wanted = device or (None if cfg.train.device == "auto" else cfg.train.device)
-    if machine is not None and machine not in MACHINES:
-        fail(f"--machine must be one of {', '.join(MACHINES)}, got '{machine}'")
-    # A dry run prints the command for the machine that will run the job, which need not be this one: a
-    # GPU job when it names GPUs (--nproc-per-node, --machine or device cuda) and not the CPU
-    gpu_job = dry_run and not rehearse and wanted != "cpu" and (
-        machine is not None or nproc_per_node is not None or wanted == "cuda")
-    if dry_run and not rehearse and machine is not None and wanted == "cpu":
-        fail(f"--machine {machine} is a GPU machine: a dry run for it cannot have device cpu")
-    gpu_here = _detect_gpu(None if gpu_job else wanted)
-    on_gpu = gpu_job or gpu_here
-    if nproc_per_node is None:
-        if machine is not None and dry_run and not rehearse:
-            nproc_per_node = MACHINES[machine].gpus_per_node
-        elif gpu_here:
-            import torch
 
-            nproc_per_node = torch.cuda.device_count()
-        else:
-            nproc_per_node = cfg.model_parallel_size
-    if nproc_per_node < 1:
-        fail(f"--nproc-per-node must be >= 1, got {nproc_per_node}")
-    dp = cfg.data_parallel_size(nproc_per_node * nnodes)
-    if rehearse and not on_gpu and wanted is None:  # its CPU form is the user's choice, --device cpu
-        refuse_without_gpu(cfg, machine)
-    try:
-        cfg.check_device(on_gpu)
-    except ConfigError as exc:
-        if dry_run and not on_gpu and wanted is None:  # a CPU job here only because it named no GPUs
-            raise ConfigError(f"{exc} (no GPU is visible here: a dry run of a GPU job names its GPUs, "
-                              f"--nproc-per-node N or --machine NAME)") from None
-        raise
-    cfg.data.check_files()
-    if not cfg.data.is_mock:  # the tokenizer's vocabulary against the model's, before anything is launched
-        from angelgpt.data.tokenizer import check_vocabulary, load_tokenizer
-
-        check_vocabulary(load_tokenizer(cfg.data.tokenizer), cfg)
-        from angelgpt.data.dataset import check_splits
-
-        check_splits(cfg, validating=bool(cfg.train.eval_interval and cfg.train.eval_iters))
-    if not on_gpu and "train.device=cpu" not in extra:
-        extra.append("train.device=cpu")
-    rehearsal_only = [name for name, value in (("--rehearse-rank", rehearse_rank), ("--rehearse-report",
-                      rehearse_report), ("--gpu-mem", gpu_mem), ("--host-mem", host_mem), ("--machine", machine))
-                      if value and not (name == "--machine" and dry_run)]
-    if rehearsal_only and not rehearse:
-        fail(f"{rehearsal_only[0]} applies to a rehearsal" + (" or a dry run: add --rehearse or --dry-run"
-             if rehearsal_only[0] == "--machine" else ": add --rehearse"))
-    if rehearse:
-        from angelgpt.cli.rehearse import rehearse as run_rehearsal
-
-        run_rehearsal(cfg, size, config, extra, on_gpu, nproc_per_node, nnodes, rehearse_rank, rehearse_steps,
-                      gpu_mem, host_mem, machine, rehearse_report or metrics_file, dry_run)
-        return
-
-    resume_at = launch.resume_point(cfg)  # a checkpoint to resume from that will not do is refused first
+def _launch(job, rdzv, machine: Optional[str], dry_run: bool, force: bool) -> None:
+    """`train`'s job launched (or its dry run printed), under the --save lock, unless its checkpoint is done."""
+    from angelgpt.cli import job as training
+    from angelgpt.planner import machine_from
     from angelgpt.train.lifetime import take_save_lock
 
+    cfg = job.cfg
+    resume_at = launch.resume_point(cfg)  # a checkpoint to resume from that will not do is refused first
     # one run per --save DIR, taken before anything is printed: a second run's refusal is one line
-    lock = None if dry_run else take_save_lock(cfg.checkpoint.save, nnodes, node_rank, rdzv_endpoint)
+    lock = None if dry_run else take_save_lock(cfg.checkpoint.save, rdzv.nnodes, rdzv.node_rank, rdzv.rdzv_endpoint)
     # a dry run for --machine plans for that catalogue machine's figures, not this machine's
-    target = machine_from(machine, gpus_per_node=nproc_per_node) if machine is not None else None
+    target = machine_from(machine, gpus_per_node=rdzv.nproc_per_node) if machine is not None else None
     try:
         if launch.nothing_to_train(cfg, resume_at):
             return
-        job.launch(cfg, on_gpu, gpu_here, target, dp, dry_run, force,
-                   launch.Rendezvous(nproc_per_node, nnodes, node_rank, master_addr, master_port, rdzv_endpoint,
-                                     max_restarts))
+        training.launch(cfg, job.on_gpu, job.gpu_here, target, job.data_parallel_size, dry_run, force, rdzv)
     finally:
         if lock is not None:
             lock.release()
@@ -236,9 +153,12 @@ def rehearse_command(
     nproc_per_node: Optional[int] = NPROC,
     nnodes: int = NNODES,
     device: Optional[str] = DEVICE,
-    machine: Optional[str] = MACHINE,
-    gpu_mem: Optional[float] = GPU_MEM,
-    host_mem: Optional[float] = HOST_MEM,
+    machine: Optional[str] = typer.Option(None, "--machine", help="catalogue machine whose figures describe the "
+                                          "target (default: this machine's GPU)"),
+    gpu_mem: Optional[float] = typer.Option(None, "--gpu-mem", help="GiB per GPU of the target (default: this "
+                                            "GPU's, or --machine's)"),
+    host_mem: Optional[float] = typer.Option(None, "--host-mem", help="GiB of host memory per node of the target "
+                                             "(default: this machine's available, or --machine's)"),
     rank: Optional[List[int]] = typer.Option(None, "--rank", help="rank to rehearse; repeatable (default: rank 0 "
                                              "of the first, a middle and the last stage)"),
     steps: int = typer.Option(3, "--steps", help="training steps per rehearsed rank"),
@@ -247,13 +167,12 @@ def rehearse_command(
                                  "config it reads, run nothing"),
 ) -> None:
     """Rehearse a job's ranks one at a time on this machine (fake collectives), each beside the planner's
-    prediction; exit 2 if one runs out of the target's memory. `angelgpt train --rehearse` is the same."""
-    with as_command("rehearse"):  # its messages name --rank and --steps
-        train(overrides=overrides, size=size, config=config, nproc_per_node=nproc_per_node, nnodes=nnodes,
-              node_rank=0, master_addr=None, master_port=None, rdzv_endpoint=None, max_restarts=0, device=device,
-              dry_run=dry_run, metrics_file=None, save=None, load=None, force=False, rehearse=True,
-              rehearse_rank=rank, rehearse_steps=steps, rehearse_report=report, gpu_mem=gpu_mem, host_mem=host_mem,
-              machine=machine)
+    prediction; exit 2 if one runs out of the target's memory."""
+    from angelgpt.cli.prepare import prepare
+    from angelgpt.cli.rehearse import Options, rehearse
+
+    job = prepare(size, config, list(overrides or []), device, nproc_per_node, nnodes, machine, rehearsal=True)
+    rehearse(job, Options(rank, steps, machine, gpu_mem, host_mem, report, dry_run))
 
 
 @app.command("export")

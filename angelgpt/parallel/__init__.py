@@ -1,9 +1,10 @@
 """Process groups and Megatron parallel_state for one torchrun worker (rank-aware logging: `log.py`).
 
-The default group is NCCL on GPUs and gloo on the CPU. Two other arrangements are objects passed to
-`initialize`: a rehearsal (`rehearsal.Rehearsal`: one rank of a larger world played alone under torch's
-fake process group) and the ranks of a node sharing one GPU (an object of the interface
-`device_sharing.DeviceSharing`, which this package defines and does not implement).
+The default group is NCCL on GPUs and gloo on the CPU. The ranks of a node sharing one GPU are an
+object passed to `initialize` (of the interface `device_sharing.DeviceSharing`, which this package
+defines and does not implement). A rehearsal (`rehearsal.Rehearsal`: one rank of a larger world played
+alone under torch's fake process group) is not started here but by its own context,
+`Rehearsal.started`.
 """
 
 from __future__ import annotations
@@ -26,15 +27,12 @@ _ENTERED = contextlib.ExitStack()
 
 
 def initialize(tensor_parallel: int, pipeline_parallel: int, on_gpu: bool, timeout_minutes: float = 10.0,
-               rehearse: Optional[Rehearsal] = None, sharing: Optional[DeviceSharing] = None) -> None:
+               sharing: Optional[DeviceSharing] = None) -> None:
     """Creates the default group (NCCL on GPU, gloo on CPU) and Megatron's TP/PP/DP groups; a collective
-    that waits longer than timeout_minutes raises on the waiting rank. With `rehearse`, the one rank it
-    names under the fake process group instead; with `sharing` (GPU), the node's ranks on one GPU, the
-    default group of its backend, inside its process() until destroy()."""
+    that waits longer than timeout_minutes raises on the waiting rank. With `sharing` (GPU), the node's
+    ranks on one GPU, the default group of its backend, inside its process() until destroy()."""
     from megatron.core import parallel_state
 
-    if rehearse is not None:
-        return rehearse.start(tensor_parallel, pipeline_parallel, on_gpu)
     if on_gpu and sharing is not None:
         _ENTERED.enter_context(sharing.process())
     elif on_gpu:

@@ -1,4 +1,4 @@
-"""One rehearsed rank: `angelgpt train --rehearse` starts this, one process per rank it rehearses.
+"""One rehearsed rank: `angelgpt rehearse` starts this, one process per rank it rehearses.
 
 The process plays rank R of the real job's world (ANGELGPT_REHEARSE: rank, world size, GPU cap, report
 path) under torch's fake process group (angelgpt.parallel): Megatron's parallel state for the whole
@@ -19,6 +19,7 @@ It builds from the run config the launcher resolved once for the target (every '
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -92,21 +93,40 @@ def main(argv=None) -> int:
     warnings.filterwarnings("ignore", category=UserWarning)
     warnings.filterwarnings("ignore", category=FutureWarning)
     from angelgpt import parallel
-    from angelgpt.config import ConfigError
     from angelgpt.parallel.log import setup_logging
-    from angelgpt.train.worker import make_trainer, read_run_config
 
     setup_logging(rank_prefix=True)  # this rank's lines, as every rehearsed rank's, shown as '[rank R] ...'
     settings = json.loads(os.environ[REHEARSE_ENV])
     report = {"rank": settings["rank"], "fits": False, "ran_out": None, "error": None}
-    trainer, on_gpu, rc = None, False, 0
-    try:
-        cfg = read_run_config(sys.argv[1:] if argv is None else argv)
-        on_gpu = cfg.train.device == "cuda"
-        r = parallel.Rehearsal(settings["rank"], settings["world_size"], settings.get("gpu_cap_bytes"))
-        trainer = make_trainer(cfg, r)
-        from megatron.core import parallel_state
+    rehearsal = parallel.Rehearsal(settings["rank"], settings["world_size"], settings.get("gpu_cap_bytes"))
+    with contextlib.ExitStack() as started:  # the rehearsal, left only when the rank ran
+        trainer, on_gpu, rc = _play(rehearsal, sys.argv[1:] if argv is None else argv, report, started)
+        report["device"] = "cuda" if on_gpu else "cpu"
+        report["measured"] = _measure(trainer, on_gpu)
+        with open(settings["report"], "w") as fh:
+            json.dump(report, fh, indent=1, default=str)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if rc:  # a half-built optimizer may hold threads: end here, as a killed run would
+            os._exit(rc)
+    return 0
 
+
+def _play(rehearsal, argv, report: dict, started: contextlib.ExitStack):
+    """(trainer or None, on GPU, exit code): the rank built within `rehearsal`, started in `started`, and
+    trained; what it resolved and where Megatron put it, and what stopped it, recorded in `report`."""
+    from megatron.core import parallel_state
+
+    from angelgpt.config import ConfigError
+    from angelgpt.train.worker import make_trainer, read_run_config
+
+    trainer, on_gpu = None, False
+    try:
+        cfg = read_run_config(argv)
+        on_gpu = cfg.train.device == "cuda"
+        started.enter_context(rehearsal.started(cfg.parallel.tensor_model_parallel_size,
+                                                cfg.parallel.pipeline_model_parallel_size, on_gpu))
+        trainer = make_trainer(cfg, rehearsal)
         report["coordinates"] = {"tp_rank": parallel_state.get_tensor_model_parallel_rank(),
                                  "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
                                  "dp_rank": parallel_state.get_data_parallel_rank()}
@@ -119,28 +139,18 @@ def main(argv=None) -> int:
                                             else {})}}
         trainer.train()
         report["fits"] = True
+        return trainer, on_gpu, 0
     except Exception as exc:  # noqa: BLE001 - every failure is reported, then the process ends
         out = _ran_out(exc, on_gpu)
         if out is not None:
             report["ran_out"] = {"resource": out[0], "message": out[1]}
-            rc = 2
-        elif isinstance(exc, ConfigError):
+            return trainer, on_gpu, 2
+        if isinstance(exc, ConfigError):
             report["error"] = str(exc)
-            rc = 2
-        else:
-            report["error"] = f"{type(exc).__name__}: {exc}"
-            traceback.print_exc()
-            rc = 1
-    report["device"] = "cuda" if on_gpu else "cpu"
-    report["measured"] = _measure(trainer, on_gpu)
-    with open(settings["report"], "w") as fh:
-        json.dump(report, fh, indent=1, default=str)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if rc:  # a half-built optimizer may hold threads: end here, as a killed run would
-        os._exit(rc)
-    parallel.destroy()
-    return 0
+            return trainer, on_gpu, 2
+        report["error"] = f"{type(exc).__name__}: {exc}"
+        traceback.print_exc()
+        return trainer, on_gpu, 1
 
 
 if __name__ == "__main__":

@@ -86,9 +86,10 @@ def run(cfg, sharing=None, control=None) -> float:
 def make_trainer(cfg, rehearse=None, sharing=None, control=None):
     """This rank's Trainer from a resolved config (no 'auto' left: refused otherwise), everything built
     and resumed, ready to train(). `rehearse` (parallel.Rehearsal): play that rank of its world alone,
-    under the fake process group; `sharing` (parallel.DeviceSharing): the node's ranks on one GPU, as
-    that object arranges. `control` (train.stop.RunControl): the stop requests and phase the worker
-    shares with the loop (one with the signal handlers installed when not given)."""
+    under the fake process group, which the caller has started (`with rehearse.started(...)`);
+    `sharing` (parallel.DeviceSharing): the node's ranks on one GPU, as that object arranges. `control`
+    (train.stop.RunControl): the stop requests and phase the worker shares with the loop (one with the
+    signal handlers installed when not given)."""
     import torch
     from megatron.core import parallel_state
 
@@ -110,8 +111,9 @@ def make_trainer(cfg, rehearse=None, sharing=None, control=None):
         raise ConfigError("train.device is 'cuda' but no CUDA GPU is visible")
     world = rehearse.world_size if rehearse else int(os.environ.get("WORLD_SIZE", "1"))
     cfg.data_parallel_size(world)
-    parallel.initialize(cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size, on_gpu,
-                        cfg.parallel.distributed_timeout_minutes, rehearse, sharing)
+    if rehearse is None:
+        parallel.initialize(cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size,
+                            on_gpu, cfg.parallel.distributed_timeout_minutes, sharing)
     setup_logging()
     if rehearse is None and int(os.environ.get("WORLD_SIZE", "1")) > int(os.environ.get("LOCAL_WORLD_SIZE", "1")):
         cfg = follow_rank0(cfg)  # several nodes, a launcher each: every rank builds from node 0's resolution

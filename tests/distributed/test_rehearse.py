@@ -1,4 +1,4 @@
-"""`angelgpt train --rehearse` on CPU: a TP 2 x PP 2 x DP 2 job of 8 ranks (the tiny and the llama-tiny
+"""`angelgpt rehearse` on CPU: a TP 2 x PP 2 x DP 2 job of 8 ranks (the tiny and the llama-tiny
 preset) rehearsed one process per pipeline stage kind under torch's fake process group, each rank's
 measurement beside the planner's prediction; a host budget too small exits 2 with one line naming what
 ran out, a rank that outgrows its share of the node's host memory while it runs is stopped by the
@@ -12,7 +12,7 @@ import pytest
 
 from tests.helpers import check_one_line_error, run_cli
 
-LAYOUT = ("--size", "tiny", "--device", "cpu", "--nproc-per-node", "8", "--rehearse",
+LAYOUT = ("--size", "tiny", "--device", "cpu", "--nproc-per-node", "8",
           "parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2")
 
 
@@ -26,8 +26,8 @@ def _mem_total_bytes():
 @pytest.mark.parametrize("size", ["tiny", "llama-tiny"])
 def test_rehearsal_of_each_stage_kind_reports_memory_beside_the_plan(tmp_path, size):
     report = tmp_path / "rehearsal.json"
-    proc = run_cli("train", "--size", size, *LAYOUT[2:], "optim.optimizer=zero_cache",
-                   "zero_cache.prefetch_cache_sub_group_rate=0.5", "--rehearse-report", report, timeout=900)
+    proc = run_cli("rehearse", "--size", size, *LAYOUT[2:], "optim.optimizer=zero_cache",
+                   "zero_cache.prefetch_cache_sub_group_rate=0.5", "--report", report, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "rehearsal: every rehearsed rank fits" in proc.stdout
     data = json.loads(report.read_text())
@@ -62,9 +62,9 @@ def test_rehearsal_short_of_host_memory_exits_2_naming_it(tmp_path):
     report = tmp_path / "short.json"
     # the node's host memory is plenty (the plan fits it: no refusal before building), ZeRO-Cache's host
     # tier is not
-    proc = run_cli("train", *LAYOUT, "optim.optimizer=zero_cache", "zero_cache.prefetch_cache_sub_group_rate=0.0",
-                   "zero_cache.host_max_gib=0.0001", "--host-mem", "64", "--rehearse-rank", "0",
-                   "--metrics-file", report, timeout=600)
+    proc = run_cli("rehearse", *LAYOUT, "optim.optimizer=zero_cache", "zero_cache.prefetch_cache_sub_group_rate=0.0",
+                   "zero_cache.host_max_gib=0.0001", "--host-mem", "64", "--rank", "0", "--report", report,
+                   timeout=600)
     check_one_line_error(proc, "ran out of host memory", in_worker=True)
     assert "rank 0 (first stage)" in proc.stderr
     data = json.loads(report.read_text())
@@ -79,8 +79,8 @@ def test_a_rank_outgrowing_its_share_of_the_host_is_stopped_by_the_launcher(tmp_
     while it builds: the launcher kills it (not this machine's OOM killer) and stops, one line, exit 2."""
     report = tmp_path / "over.json"
     start = time.monotonic()
-    proc = run_cli("train", "--size", "125m", "--device", "cpu", "--nproc-per-node", "8", "--rehearse",
-                   "--host-mem", "16", "--rehearse-steps", "1", "--metrics-file", report, timeout=600)
+    proc = run_cli("rehearse", "--size", "125m", "--device", "cpu", "--nproc-per-node", "8",
+                   "--host-mem", "16", "--steps", "1", "--report", report, timeout=600)
     assert time.monotonic() - start < 120
     check_one_line_error(proc, "rank 0 (only stage) used ", in_worker=True)
     assert "of host memory, over its budget of 2 GiB (2 GiB per rank: --host-mem 16 GiB per node over 8 ranks); " \

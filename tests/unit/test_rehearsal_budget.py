@@ -18,8 +18,8 @@ from tests.helpers import check_one_line_error, run_cli, wait_for
 def test_a_rank_whose_plan_outgrows_the_host_budget_is_refused_before_building(tmp_path):
     report = tmp_path / "out" / "rehearsal.json"
     start = time.monotonic()
-    proc = run_cli("train", "--size", "1.3b", "--device", "cpu", "--rehearse", "--nproc-per-node", "8",
-                   "--host-mem", "1", "train.train_iters=1", "--metrics-file", report, timeout=120)
+    proc = run_cli("rehearse", "--size", "1.3b", "--device", "cpu", "--nproc-per-node", "8",
+                   "--host-mem", "1", "train.train_iters=1", "--report", report, timeout=120)
     assert time.monotonic() - start < 60
     # both numbers: the plan's 1.8 GiB per rank and the budget, 1 GiB per node over 8 ranks
     check_one_line_error(proc, "needs 1.8 GiB of host memory, over its budget of 0.125 GiB (--host-mem 1 GiB")

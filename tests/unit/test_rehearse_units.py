@@ -1,14 +1,13 @@
 """The rehearsal's pieces that need no process: which ranks it plays, where they sit in Megatron's
-layout, the planner's per-stage prediction, and its options refused without --rehearse."""
-
-import re
+layout, the planner's per-stage prediction, its patches of torch.distributed (undone when it ends), and
+`angelgpt rehearse`'s options (none of them `train`'s)."""
 
 import pytest
 
 from angelgpt.cli.rehearse import coordinates, default_ranks, stage_kind
 from angelgpt.config import parse
 from angelgpt.planner import MACHINES, plan_for
-from tests.helpers import check_one_line_error, run_cli
+from tests.helpers import check_one_line_error, run_cli, run_cli_in_process
 
 
 def test_default_ranks_are_rank_0_of_the_first_a_middle_and_the_last_stage():
@@ -39,17 +38,23 @@ def test_the_plan_of_a_later_stage_holds_that_stages_parameters(optimizer):
     assert first.gpu_bytes["weights"] > last.gpu_bytes["weights"] > middle.gpu_bytes["weights"]
 
 
-@pytest.mark.parametrize("option", [["--gpu-mem", "40"], ["--host-mem", "1000"], ["--rehearse-rank", "1"],
-                                    ["--machine", "a100-40gx8"]])
-@pytest.mark.subprocess
-def test_rehearsal_options_need_rehearse(option):
-    check_one_line_error(run_cli("train", "--size", "tiny", "--device", "cpu", *option), "add --rehearse")
+@pytest.mark.parametrize("option", [["--rehearse"], ["--gpu-mem", "40"], ["--host-mem", "1000"], ["--rank", "1"],
+                                    ["--steps", "1"], ["--report", "r.json"]])
+def test_train_takes_no_rehearsal_option(option):
+    """A rehearsal is `angelgpt rehearse`; `train` refuses its options in one line naming the option."""
+    proc = run_cli_in_process("train", "--size", "tiny", "--device", "cpu", *option)
+    check_one_line_error(proc, f"angelgpt train: No such option: {option[0]}")
+
+
+def test_train_takes_machine_for_a_dry_run_only():
+    proc = run_cli_in_process("train", "--size", "tiny", "--device", "cpu", "--machine", "a100-40gx8")
+    check_one_line_error(proc, "--machine applies to a dry run: add --dry-run (`angelgpt rehearse --machine")
 
 
 @pytest.mark.subprocess
 def test_rehearsal_refuses_a_rank_outside_the_world():
-    check_one_line_error(run_cli("train", "--size", "tiny", "--device", "cpu", "--nproc-per-node", "2",
-                                 "--rehearse", "--rehearse-rank", "2"), "not a rank of a world of 2")
+    check_one_line_error(run_cli("rehearse", "--size", "tiny", "--device", "cpu", "--nproc-per-node", "2",
+                                 "--rank", "2"), "not a rank of a world of 2")
 
 
 def test_rehearsed_sequence_parallel_reduce_scatter_gives_this_ranks_own_chunk(monkeypatch):
@@ -73,14 +78,10 @@ def test_rehearsed_sequence_parallel_reduce_scatter_gives_this_ranks_own_chunk(m
     for where in (c10d, dist, mappings):
         name = "dist_reduce_scatter_func" if where is mappings else "reduce_scatter_tensor"
         monkeypatch.setattr(where, name, leaves_output)
-    parallel.initialize(2, 1, on_gpu=False, rehearse=parallel.Rehearsal(rank=1, world_size=2))
-    try:
+    with parallel.Rehearsal(rank=1, world_size=2).started(2, 1, on_gpu=False):
         full = torch.arange(8.0).view(4, 2)  # [s, h]: this rank's share is the second half of s
         with on_cpu():  # Megatron allocates the output on the current CUDA device
             assert torch.equal(mappings.reduce_scatter_to_sequence_parallel_region(full), full[2:])
-    finally:
-        parallel.destroy()
-
 
 
 def test_a_rehearsed_pipeline_receive_yields_values_like_real_ones(monkeypatch):
@@ -95,22 +96,74 @@ def test_a_rehearsed_pipeline_receive_yields_values_like_real_ones(monkeypatch):
 
     from angelgpt import parallel
 
-    # as torch decorates its own: with a `__wrapped__` (not copying __dict__, which holds the mark of a
-    # patch an earlier rehearsal in this process left on c10d.recv)
-    @functools.wraps(c10d.recv, updated=())
+    @functools.wraps(c10d.recv)  # as torch decorates its own: with a `__wrapped__`
     def writes_nothing(tensor, src=None, group=None, tag=0, group_src=None):
         return src
 
     for where in (c10d, dist):
         monkeypatch.setattr(where, "recv", writes_nothing)
-    parallel.initialize(1, 2, on_gpu=False, rehearse=parallel.Rehearsal(rank=1, world_size=2))
-    try:
+    with parallel.Rehearsal(rank=1, world_size=2).started(1, 2, on_gpu=False):
         buffer = torch.full((4096,), float("nan"))
         dist.recv(buffer, src=0)
         assert torch.isfinite(buffer).all()
         assert 0.9 < buffer.std().item() < 1.1 and abs(buffer.mean().item()) < 0.1
-    finally:
-        parallel.destroy()
+
+
+def _collectives():
+    """Every name a rehearsal replaces, with the object it holds: torch.distributed's and
+    distributed_c10d's receives and reduce-scatter, and Megatron's tensor-parallel modules' own names
+    for any of them."""
+    import importlib
+
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    from angelgpt.parallel.rehearsal import _BOUND_AT_IMPORT
+
+    names = ("recv", "irecv", "reduce_scatter_tensor")
+    found = {(where.__name__, n): getattr(where, n) for where in (dist, c10d) for n in names}
+    originals = {id(getattr(c10d, n)) for n in names}
+    for module in map(importlib.import_module, _BOUND_AT_IMPORT):
+        found.update({(module.__name__, attr): value for attr, value in vars(module).items()
+                      if id(value) in originals})
+    return found
+
+
+def test_a_rehearsal_ends_with_every_collective_it_replaced_the_original_again():
+    """Within `started`, torch.distributed's collectives and Megatron's names for them are the
+    rehearsal's; after it, each is the very object it was, the process group and Megatron's parallel
+    state are gone, and a second rehearsal in this process plays its rank as the first did."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import mappings
+
+    from angelgpt import parallel
+    from angelgpt.parallel.cpu_schedules import on_cpu
+
+    before = _collectives()
+    assert ("megatron.core.tensor_parallel.mappings", "dist_reduce_scatter_func") in before
+
+    def play(rank):
+        with parallel.Rehearsal(rank=rank, world_size=4).started(2, 2, on_gpu=False):
+            assert dist.get_world_size() == 4 and dist.get_rank() == rank
+            assert all(_collectives()[key] is not value for key, value in before.items())
+            buffer = torch.full((64,), float("nan"))
+            dist.recv(buffer, src=0)
+            full = torch.arange(8.0).view(4, 2)
+            with on_cpu():
+                chunk = mappings.reduce_scatter_to_sequence_parallel_region(full)
+            return (parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank(),
+                    bool(torch.isfinite(buffer).all()), chunk)
+
+    first = play(3)
+    after = _collectives()
+    assert after.keys() == before.keys() and all(after[key] is value for key, value in before.items())
+    assert not dist.is_initialized() and not parallel_state.model_parallel_is_initialized()
+    second = play(3)
+    assert _collectives() == before and all(_collectives()[key] is value for key, value in before.items())
+    assert first[:3] == second[:3] == (1, 1, True)
+    assert torch.equal(first[3], second[3]) and torch.equal(first[3], torch.arange(8.0).view(4, 2)[2:])
 
 
 def test_a_rehearsed_rank_takes_every_core_unless_told(monkeypatch):
@@ -127,35 +180,27 @@ def test_a_rehearsed_rank_takes_every_core_unless_told(monkeypatch):
     assert rank_env(True, "zero_cache")["OMP_NUM_THREADS"] == "3"
 
 
-def test_rehearse_is_a_command_of_its_own_as_train_rehearse_is():
-    """`angelgpt rehearse` takes the job as `train` does and prints the same rehearsal as
-    `train --rehearse` (a dry run: the config and the rank's command, nothing run)."""
-    from tests.helpers import run_cli_in_process
-
+def test_a_rehearsal_dry_run_prints_the_ranks_command():
+    """`angelgpt rehearse` takes the job as `train` does (a dry run: the config and the rank's command,
+    nothing run); a bad value is one line, exit 2."""
     job = ["--size", "tiny", "--device", "cpu", "--nproc-per-node", "2", "parallel.tensor_model_parallel_size=2",
            "--host-mem", "64", "--dry-run"]  # a fixed target: this machine's available memory moves
-    own = run_cli_in_process("rehearse", *job)
-    alias = run_cli_in_process("train", "--rehearse", *job)
-    assert own.returncode == alias.returncode == 0, own.stderr + alias.stderr
-    assert "rehearsal command (one per rank): " in own.stdout
-    # the same but for the directory of the run config each wrote for its command
-    assert re.sub(r"angelgpt-rehearse-\w+", "DIR", own.stdout) == re.sub(r"angelgpt-rehearse-\w+", "DIR", alias.stdout)
+    proc = run_cli_in_process("rehearse", *job)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("rehearsal of a job of 1 x 2 ranks (TP 2 x PP 1 x DP 1)")
+    assert "rehearsal command (one per rank): " in proc.stdout
     bad = run_cli_in_process("rehearse", "--size", "tiny", "--device", "cpu", "--steps", "x")
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
 
 
-def test_each_rehearsal_command_names_its_own_options_in_its_errors():
-    from tests.helpers import run_cli_in_process
-
+def test_rehearsal_errors_name_rehearses_options():
     job = ["--size", "tiny", "--device", "cpu", "--nproc-per-node", "2"]
-    for args, needle, other in (
-            (["rehearse", *job, "--rank", "99"], "--rank 99 is not a rank of a world of 2", "--rehearse-rank"),
-            (["rehearse", *job, "--steps", "0"], "--steps must be >= 1, got 0", "--rehearse-steps"),
-            (["train", "--rehearse", *job, "--rehearse-rank", "99"], "--rehearse-rank 99 is not a rank", None),
-            (["train", "--rehearse", *job, "--rehearse-steps", "0"], "--rehearse-steps must be >= 1", None)):
-        proc = run_cli_in_process(*args)
-        check_one_line_error(proc, needle)
-        assert other is None or other not in proc.stderr
+    for args, needle in ((["--rank", "99"], "--rank 99 is not a rank of a world of 2"),
+                         (["--steps", "0"], "--steps must be >= 1, got 0"),
+                         (["--host-mem", "0"], "--host-mem must be > 0 GiB, got 0.0"),
+                         (["--machine", "nope"], "--machine must be one of "),
+                         (["--device", "tpu"], "--device must be 'cpu' or 'cuda', got 'tpu'")):
+        check_one_line_error(run_cli_in_process("rehearse", *job, *args), needle)
 
 
 @pytest.mark.parametrize("job, why", [
@@ -165,8 +210,6 @@ def test_a_gpu_job_is_refused_a_rehearsal_without_a_gpu_saying_what_works(job, w
     """Without a GPU and without --device, a GPU job (a GPU target, or a config only CUDA runs) is not
     rehearsed on the CPU: one line says so and what works, before anything is planned or started."""
     import torch
-
-    from tests.helpers import run_cli_in_process
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible: the job is rehearsed on it")
@@ -184,8 +227,6 @@ def test_a_gpu_job_is_refused_a_rehearsal_without_a_gpu_saying_what_works(job, w
 
 
 def test_a_cpu_rehearsal_header_names_a_target_without_a_gpu():
-    from tests.helpers import run_cli_in_process
-
     job = ["--size", "tiny", "--device", "cpu", "--nproc-per-node", "8", "train.global_batch_size=32",
            "--host-mem", "64", "--dry-run"]
     header = run_cli_in_process("rehearse", *job).stdout.splitlines()[0]
