@@ -17,7 +17,7 @@ stored one of two ways, and ``layer=`` reads either:
 - Megatron's optimizers: one key per parameter for all layers, the global layer index prepended as
   the first axis (``decoder.layers.mlp.linear_fc1.weight``, shape ``[num_layers, ffn, hidden]``); one
   layer is read as a slice, so the other layers are never in memory;
-- ZeRO-Cache: one key per layer, ``<key>.layer<global layer index>`` (``checkpoint.per_layer_keys``).
+- ZeRO-Cache: one key per layer, ``<key>.layer<global layer index>`` (``checkpoint_state.per_layer_keys``).
 
 Only a complete checkpoint is read: the manifest's files, sizes and CRC32 must match
 (``checkpoint.verify``); anything else is a ConfigError naming what is wrong.

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import time
 import zlib
@@ -22,11 +21,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Optional, Tuple
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
-from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
 from angelgpt import parallel
 from angelgpt.config import ConfigError
@@ -34,90 +32,10 @@ from angelgpt.parallel.log import get_logger
 from angelgpt.system import GIB
 from angelgpt.train.checkpoint_check import MANIFEST, TRACKER, find_checkpoint, latest_iteration  # noqa: F401
 from angelgpt.train.checkpoint_check import iter_dir as _iter_dir
+from angelgpt.train.checkpoint_state import checkpoint_state, module_of, set_rng_state
 from angelgpt.train.checkpoint_writer import HostStaging, ShardsStrategy, WriteJob, host_memory_available
 
 log = get_logger(__name__)
-
-
-def _rng_state() -> dict:
-    state = {"random": random.getstate(), "np": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        from megatron.core import tensor_parallel
-
-        state["cuda"] = torch.cuda.get_rng_state()
-        state["rng_tracker"] = tensor_parallel.get_cuda_rng_tracker().get_states()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    random.setstate(state["random"])
-    np.random.set_state(state["np"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        from megatron.core import tensor_parallel
-
-        torch.cuda.set_rng_state(state["cuda"])
-        tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker"])
-
-
-def _rng_sharded_object(state, saved_layout: Optional[Tuple[int, int]] = None) -> ShardedObject:
-    """The RNG states, one per (PP rank, TP rank). Loading a checkpoint saved with another (PP, TP)
-    layout (saved_layout), a rank takes the saved state of its own position where the saved layout has
-    it, else of stage 0 / TP rank 0 (on CPU every rank's RNG starts alike after the model is built)."""
-    pp, tp = parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank()
-    shape = (parallel_state.get_pipeline_model_parallel_world_size(),
-             parallel_state.get_tensor_model_parallel_world_size())
-    if saved_layout is not None and tuple(saved_layout) != shape:
-        shape = tuple(saved_layout)
-        pp, tp = (pp if pp < shape[0] else 0), (tp if tp < shape[1] else 0)
-    return ShardedObject("rng_state", state, shape, (pp, tp), replica_id=parallel_state.get_data_parallel_rank())
-
-
-def per_layer_keys(sharded):
-    """The same sharded state with one key per layer: Megatron stacks a parameter of every layer of a
-    pipeline stage under one key (the layer axis prepended), and a key's local shards must share device
-    and pinning. ZeRO-Cache keeps layers in different tiers (GPU, pinned host, NVMe files), so each
-    layer's tensor gets its own key, `<key>.layer<global layer index>`, independent of the placement; so
-    do the tensors a factory builds (SwiGLU's linear_fc1, saved as its gate and up halves)."""
-    if isinstance(sharded, ShardedTensorFactory):
-        build = sharded.build_fn
-        return replace(sharded, build_fn=lambda *args: per_layer_keys(build(*args)))
-    if isinstance(sharded, dict):
-        return {k: per_layer_keys(v) for k, v in sharded.items()}
-    if isinstance(sharded, list):
-        return [per_layer_keys(v) for v in sharded]
-    if isinstance(sharded, ShardedTensor) and sharded.prepend_axis_num:
-        n = sharded.prepend_axis_num
-        return replace(sharded, key=sharded.key + "".join(f".layer{i}" for i in sharded.global_offset[:n]),
-                       prepend_axis_num=0, global_shape=sharded.global_shape[n:],
-                       global_offset=sharded.global_offset[n:],
-                       axis_fragmentations=sharded.axis_fragmentations and sharded.axis_fragmentations[n:])
-    return sharded
-
-
-def _module(model):
-    """The model whose state is saved: inside Megatron's DDP wrapper (which would prefix every key with
-    `module.` on save but load its module's keys), so that every optimizer's checkpoint has the same
-    model keys (`embedding.`, `decoder.`, `output_layer.`)."""
-    from megatron.core.distributed import DistributedDataParallel
-
-    return model.module if isinstance(model, DistributedDataParallel) else model
-
-
-def _state(model, optimizer, scheduler, iteration: int, consumed: int, loading: bool,
-           saved_layout: Optional[Tuple[int, int]] = None, metadata: Optional[dict] = None) -> dict:
-    model_sd = _module(model).sharded_state_dict()
-    optimizer_sd = optimizer.sharded_state_dict(model_sd, is_loading=loading, metadata=metadata)
-    if optimizer.per_layer_checkpoint_keys:
-        model_sd, optimizer_sd = per_layer_keys(model_sd), per_layer_keys(optimizer_sd)
-    return {
-        "model": model_sd,
-        "optimizer": optimizer_sd,
-        "opt_param_scheduler": scheduler.state_dict(),
-        "iteration": iteration,
-        "consumed_samples": consumed,
-        "rng_state": _rng_sharded_object(None if loading else _rng_state(), saved_layout),
-    }
 
 
 def _fsync(path: Path) -> None:
@@ -204,7 +122,7 @@ class Saver:
             from angelgpt.optimizer.megatron import CHECKPOINT_METADATA
 
             metadata = {**CHECKPOINT_METADATA, **optimizer.checkpoint_metadata()}
-            dist_checkpointing.save(_state(model, optimizer, scheduler, iteration, consumed, loading=False,
+            dist_checkpointing.save(checkpoint_state(model, optimizer, scheduler, iteration, consumed, loading=False,
                                            metadata=metadata),
                                     str(tmp), sharded_strategy=strategy, content_metadata=metadata)
             job = WriteJob(strategy.shards, tmp)
@@ -320,7 +238,7 @@ def save_model_only(root: str, model, config: dict) -> None:
     tmp = _iter_dir(Path(root), 0).with_name("iter_0000000.tmp")
     tmp.mkdir(parents=True)
     try:
-        state = {"model": _module(model).sharded_state_dict(), "iteration": 0, "consumed_samples": 0}
+        state = {"model": module_of(model).sharded_state_dict(), "iteration": 0, "consumed_samples": 0}
         strategy = ShardsStrategy()
         dist_checkpointing.save(state, str(tmp), sharded_strategy=strategy, content_metadata={MODEL_ONLY: True})
         job = WriteJob(strategy.shards, tmp)
@@ -346,8 +264,8 @@ def _load_model_only(path: Path, model, optimizer) -> Tuple[int, int]:
     """A model-only checkpoint's weights into the model and the optimizer's main parameters; its states
     and the schedule start fresh (Megatron's --finetune)."""
     with optimizer.materialized():
-        state = dist_checkpointing.load({"model": _on_cpu(_module(model).sharded_state_dict())}, str(path))
-        _module(model).load_state_dict(state["model"])
+        state = dist_checkpointing.load({"model": _on_cpu(module_of(model).sharded_state_dict())}, str(path))
+        module_of(model).load_state_dict(state["model"])
         optimizer.reload_model_params()  # while offloaded weights are readable tensors
     log.info(f"loaded the model-only checkpoint {path}: optimizer and learning-rate schedule start fresh")
     return 0, 0
@@ -390,7 +308,7 @@ def load(root: str, model, optimizer, scheduler) -> Tuple[int, int]:
                           f"the saved PP and TP (checkpoints saved with "
                           f"checkpoint.dist_ckpt_optim_fully_reshardable=true resume at any layout)")
     with optimizer.materialized(), torch.serialization.safe_globals(optimizer.checkpoint_safe_globals()):
-        request = _state(model, optimizer, scheduler, 0, 0, loading=True, saved_layout=saved_layout,
+        request = checkpoint_state(model, optimizer, scheduler, 0, 0, loading=True, saved_layout=saved_layout,
                          metadata=metadata)
         # another (PP, TP) layout: ranks read RNG objects some of which none of them covers, which the
         # integrity check refuses; the RNG states come in a request of their own, unchecked
@@ -400,12 +318,12 @@ def load(root: str, model, optimizer, scheduler) -> Tuple[int, int]:
             # (the answer holds the checkpoint's common state too: only the RNG is taken)
             state["rng_state"] = dist_checkpointing.load(rng_request, str(path),
                                                          validate_access_integrity=False)["rng_state"]
-        _module(model).load_state_dict(state["model"])
+        module_of(model).load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
     from angelgpt.optimizer.schedule import load_schedule
 
     changed = load_schedule(scheduler, state["opt_param_scheduler"])
     if changed:
         log.info(f"learning-rate schedule: {changed}")
-    _set_rng_state(state["rng_state"])
+    set_rng_state(state["rng_state"])
     return int(state["iteration"]), int(state["consumed_samples"])
