@@ -59,7 +59,7 @@ class Chunk:
     decay: bool
     numel: int
     offsets: Tuple[int, ...]
-    shapes: Tuple[torch.Size, ...]  # the params' shapes (a released param is empty)
+    shapes: Tuple[torch.Size, ...]  # the params' shapes (kept while a released param is empty)
     index: int  # its place among the rank's chunks (its buffers'; seeds an fp8 moment's stochastic rounding)
     tier: str = "host"
     device_update: bool = False  # a host chunk that the device updates (device_update_fraction)
@@ -81,7 +81,7 @@ class Layout:
     """One rank's chunks and where they live; parameters are keyed by id()."""
 
     params: Tuple[torch.nn.Parameter, ...]
-    shape: Mapping[int, torch.Size]  # the params' shapes (a released param is empty)
+    shape: Mapping[int, torch.Size]  # the params' shapes (kept while a released param is empty)
     decay: Mapping[int, bool]
     dp_rank: int
     dp_size: int
