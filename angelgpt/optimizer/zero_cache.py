@@ -26,15 +26,21 @@ One iteration, pipelined (``pipeline_optimizer: true``):
    stream wait on its event), then all-gathers the owners' weights over DP; later sub-groups are
    still being updated while the first layers compute.
 
-This module is the front: it checks that the config is resolved, builds the parts in order, wires
-them to one another and exposes the `angelgpt.optimizer.Optimizer` contract. The parts:
+This module is the front: it checks that the config is resolved, builds the parts in order, each
+handed what it uses (the layout, its buffers, the DP group, config values and the parts it calls,
+built before it), and exposes the `angelgpt.optimizer.Optimizer` contract. In build order:
 
-- ``store.Store``: chunks, placement over the tiers, allocation, shared buffers, streams, profile;
+- ``layout.place_chunks``: the ``Layout``, fixed once built: ownership, sub-groups, chunks and
+  their placement over the tiers (refused here if it does not fit);
+- ``buffers.allocate``: the ``Buffers``: each chunk's gradient buffer, states and step counter in its
+  tier, the scratch, upload and device update buffers, the accumulation slots;
 - ``weights.Weights``: offloaded weights fetched/prefetched/released, DP all-gather, forward hooks;
+- ``adamw.AdamW``, ``host_update.HostUpdate``, ``device_update.DeviceUpdate``: AdamW where the
+  states live, the CPU's update of host and NVMe chunks with its uploads, the GPU's update of host
+  chunks;
+- ``update.Update``: the step, device chunks' AdamW, the update threads, ``complete``/``wait_all``;
 - ``gradients.Gradients``: post-accumulate hooks, reduction to the owner, offload, accumulation in
   the store, the squared norm;
-- ``update.Update``: the step, device and host AdamW, NVMe streaming, device updates of host states,
-  uploads, ``complete``/``wait_all``;
 - ``state.CheckpointState``: sharded_state_dict / load_state_dict.
 
     cfg, _ = resolve_config(cfg, machine, ...)   # the planner: every 'auto' made concrete first
@@ -47,15 +53,23 @@ from __future__ import annotations
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
+from megatron.core import parallel_state
 
-from angelgpt.config import Config
+from angelgpt.config import Config, ConfigError
 from angelgpt.optimizer.base import Optimizer
 from angelgpt.parallel.embedding import tied_embedding_weight
+from angelgpt.zero_cache.adamw import AdamW
+from angelgpt.zero_cache.buffers import allocate
+from angelgpt.zero_cache.cpu_adam import CpuAdam, CpuAdamUnavailable
+from angelgpt.zero_cache.device_update import DeviceUpdate
 from angelgpt.zero_cache.gradients import Gradients
+from angelgpt.zero_cache.host_update import HostUpdate
+from angelgpt.zero_cache.layout import Layout, place_chunks
+from angelgpt.zero_cache.pipeline import Profile, Streams
 from angelgpt.zero_cache.state import CheckpointState
-from angelgpt.zero_cache.store import Store
+from angelgpt.zero_cache.tiers import refuse_together
 from angelgpt.zero_cache.update import Update
-from angelgpt.zero_cache.weights import Weights
+from angelgpt.zero_cache.weights import Weights, fetch_depth
 
 # the settings a config may leave 'auto' until the planner's resolve_config makes them concrete (this
 # package imports nothing of the planner: the worker resolves, then builds)
@@ -85,28 +99,52 @@ class ZeroCacheOptimizer(Optimizer):
         while the store fills, so an offloaded layer leaves the device before the next one arrives).
         rehearsal: this rank is played alone under fake collectives (angelgpt.parallel.rehearsal)."""
         require_resolved(cfg)
+        zc, o = cfg.zero_cache, cfg.optim
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self.store = Store(named, cfg, device, beside_store_bytes, rehearsal)  # placed (refused here if it does not fit)
-        self.weights = Weights(self.store)
-        self.store.allocate(self.weights.release, materialize)
-        self.weights.release_offloaded()
-        self.update = Update(self.store, self.weights)
-        self.gradients = Gradients(self.store, self.weights, self.update)
-        self.update.gradients = self.gradients
-        self.weights.update = self.update
-        self.checkpoint = CheckpointState(self.store, self.weights, self.update)
+        group = parallel_state.get_data_parallel_group()
+        self.device, self.rate = device, float(zc.prefetch_cache_sub_group_rate)
+        self.offload_params, self.device_update_fraction = zc.offload_params, float(zc.device_update_fraction)
+        self.layout = L = place_chunks(named, cfg, device, group, beside_store_bytes, rehearsal)
+        self.cpu_adam = _load_cpu_adam(L, device, zc.cpu_adam, rehearsal)
+        self.streams, self.profile = Streams(device), Profile(device, enabled=zc.is_communication_time_profiling)
+        self.buffers = allocate(L, device, zc.nvme_path, materialize)
+        bufs = self.buffers.chunks
+        # the scheduler sets 'lr' and 'weight_decay' here; the update reads them when a step starts
+        self._param_groups = [
+            {"params": [p for p in L.params if L.decay[id(p)]], "lr": o.lr, "weight_decay": o.weight_decay,
+             "wd_mult": 1.0},
+            {"params": [p for p in L.params if not L.decay[id(p)]], "lr": o.lr, "weight_decay": 0.0,
+             "wd_mult": 0.0},
+        ]
+        # gradients on the GPU are reduce-scattered, whatever group carries them (NCCL; gloo with ranks
+        # sharing one GPU; a rehearsal's fake group); on the CPU each owner's chunk is reduced
+        use_reduce_scatter = device.type == "cuda"
+        self.weights = Weights(L, [b.weights for b in bufs], device, group, self.streams, self.profile,
+                               use_reduce_scatter, cfg.model.recompute == "full", fetch_depth(L, zc))
+        adamw = AdamW(L.format, self.cpu_adam, self.buffers.work, (o.adam_beta1, o.adam_beta2), o.adam_eps, device)
+        host = HostUpdate(L, bufs, adamw, self.buffers.scratch.get("host"), self.buffers.upload, self.buffers.nvme,
+                          self.streams, self.profile)
+        device_update = DeviceUpdate(L, bufs, adamw, self.buffers.update_bufs, self.buffers.update_free,
+                                     self.streams, self.profile)
+        self.update = Update(L, bufs, self.buffers.scratch.get("device"), adamw, host, device_update, self.weights,
+                             device, self.streams, self.profile, self._param_groups, o.clip_grad,
+                             zc.pipeline_optimizer, rehearsal)
+        self.gradients = Gradients(L, bufs, self.buffers.acc_slots, self.buffers.update_free, self.weights,
+                                   self.update, device, group, self.streams, self.profile, use_reduce_scatter,
+                                   zc.max_param_reduce_events)
+        self.checkpoint = CheckpointState(L, bufs, self.weights, self.update)
         self.gradients.install_hooks(named)
         self.gradients.defer_tied_embedding(tied_embedding_weight(model))  # PP > 1: summed over both stages
-        self.weights.install_hooks(model, named)
+        self.weights.install_hooks(model, named, self.update)
         self.gradients.reset_backward_state()
 
     # -- the contract ----------------------------------------------------------------------------
     @property
     def param_groups(self) -> List[dict]:
-        return self.store.param_groups
+        return self._param_groups
 
     def step(self) -> Tuple[bool, float, Optional[int]]:
-        return self.update.step()
+        return self.update.step(self.gradients)
 
     def zero_grad(self) -> None:
         self.gradients.zero_grad()
@@ -125,7 +163,7 @@ class ZeroCacheOptimizer(Optimizer):
 
     def materialized(self):
         """Offloaded weights readable as ordinary tensors (host memory), for checkpoint save and load."""
-        return self.weights.materialized()
+        return self.weights.materialized(self.update)
 
     def wait(self) -> None:
         """Every pending update applied (before a checkpoint, an evaluation or the end)."""
@@ -136,25 +174,58 @@ class ZeroCacheOptimizer(Optimizer):
         self.update.shutdown()
         self.gradients.remove_hooks()
         self.weights.remove_hooks()
-        if self.store.device.type == "cuda":
-            torch.cuda.synchronize(self.store.device)  # no copy still reads a buffer about to be unlocked
-        self.store.close()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # no copy still reads a buffer about to be unlocked
+        self.buffers.close()
+
+    def placement(self) -> str:
+        """One line: where this rank's states went and who updates the host-resident ones."""
+        chunks = self.layout.chunks
+        owned = {t: sum(c.numel for c in chunks if c.tier == t) for t in ("device", "host", "nvme")}
+        on_device = sum(c.numel for c in chunks if c.device_update)
+        return (f"zero_cache: prefetch_cache_sub_group_rate {self.rate:.2f}, offload_params {self.offload_params}; "
+                f"owned parameters' states on device {owned['device']:,}, host {owned['host']:,}, nvme "
+                f"{owned['nvme']:,}; host states updated on the device {on_device:,} "
+                f"(device_update_fraction {self.device_update_fraction:.2f}); CPU AdamW "
+                f"{'native' if self.cpu_adam else 'torch'}; states {self.layout.format.describe()}")
 
     def summary(self) -> str:
         """One line: where this rank's states went, who updates the host-resident ones and, on CUDA, the
         bytes each tier holds."""
-        line = self.store.summary()
-        if self.store.device.type == "cuda":
+        line = self.placement()
+        if self.device.type == "cuda":
             line += "; bytes held " + ", ".join(f"{t} {b:,}" for t, b in self.memory().items())
         return line
 
     def profile_record(self) -> Optional[dict]:
         """The last iteration's transfer and optimizer times (is_communication_time_profiling)."""
-        return self.store.profile.last
+        return self.profile.last
 
     def profile_line(self) -> Optional[str]:
-        return self.store.profile.line() if self.store.profile.last else None
+        return self.profile.line() if self.profile.last else None
 
     def memory(self) -> Dict[str, int]:
         """Bytes each tier actually holds (chunk states, owned gradients, scratch and staging)."""
-        return self.store.allocated_bytes()
+        return self.buffers.allocated_bytes()
+
+    def pinned_bytes(self) -> int:
+        """Host memory pinned for the states, gradients and weights that cross PCIe, and the upload buffers."""
+        return self.buffers.tiers["host"].pinned_bytes + sum(b.numel() * b.element_size() for b in self.buffers.upload)
+
+
+def _load_cpu_adam(layout: Layout, device: torch.device, mode: str, rehearsal: bool) -> Optional[CpuAdam]:
+    """The one-pass CPU AdamW when the CPU updates some chunk (None: torch's); refused on every rank
+    together (a rehearsal alone) where zero_cache.cpu_adam=native cannot be built."""
+    if device.type == "cuda" and not any(c.tier != "device" and not c.device_update for c in layout.chunks):
+        return None
+    kernel = None
+
+    def load():
+        nonlocal kernel
+        try:
+            kernel = CpuAdam.load(mode)
+        except CpuAdamUnavailable as e:
+            raise ConfigError(f"zero_cache.cpu_adam=native cannot be built: {e}") from e
+
+    refuse_together(load, rehearsal)
+    return kernel

@@ -77,12 +77,12 @@ def _measure(trainer, on_gpu: bool) -> dict:
         return out
     out["steps"] = [{k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in r.items()}
                     for r in trainer.records]  # JSON has no NaN: a meaningless loss is null
-    store = getattr(trainer.optimizer, "store", None)
-    if store is not None and hasattr(store, "tiers"):  # ZeRO-Cache
-        host = store.tiers["host"]
-        upload = sum(b.numel() * b.element_size() for b in store.upload)
-        out["zero_cache"] = {"tier_bytes": store.allocated_bytes(), "host_pinned_bytes": host.pinned_bytes + upload,
-                             "planned_bytes": dict(store.planned_bytes), "summary": store.summary()}
+    from angelgpt.optimizer.zero_cache import ZeroCacheOptimizer
+
+    opt = trainer.optimizer
+    if isinstance(opt, ZeroCacheOptimizer):
+        out["zero_cache"] = {"tier_bytes": opt.memory(), "host_pinned_bytes": opt.pinned_bytes(),
+                             "planned_bytes": dict(opt.layout.planned_bytes), "summary": opt.placement()}
     return out
 
 

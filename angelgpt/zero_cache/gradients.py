@@ -11,11 +11,11 @@ already or the opt-out lets autograd add up in the model's dtype.
 
 Owns: the backward state of one step (gradients seen per sub-group, micro batches offloaded,
 reductions in flight, main grads), the squared norm on the device, and the accumulation slots' cursor
-and events. Touches: the model's ``p.grad`` (released once copied), the chunks' ``grad`` and
-``grad_ready`` in the store, the D2H and H2D streams, the profile, and the store's ``update_free``
-events (waited on and cleared: the device update buffers share the slots' memory). Calls the update's
-``complete(gi)`` before a chunk's gradient is overwritten and the weights part's ``release(gi)``
-once an offloaded layer's backward is done.
+and events. Touches: the model's ``p.grad`` (released once copied), the chunks' ``grad`` buffers and
+``grad_ready`` events, the accumulation slots, the D2H and H2D streams, the profile, and the
+``update_free`` events (waited on and cleared: the device update buffers share the slots' memory).
+Calls the update's ``complete(gi)`` before a chunk's gradient is overwritten and the weights part's
+``release(gi)`` once an offloaded layer's backward is done.
 """
 
 from __future__ import annotations
@@ -23,14 +23,17 @@ from __future__ import annotations
 import collections
 import math
 import time
+from typing import List, Sequence
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
 from angelgpt.parallel.embedding import allreduce_tied_embedding_grad
+from angelgpt.zero_cache.buffers import ChunkBuffers
+from angelgpt.zero_cache.layout import Layout
+from angelgpt.zero_cache.pipeline import Profile, Streams
 from angelgpt.zero_cache.placement import ACCUMULATION_SLOTS
-from angelgpt.zero_cache.store import Store
 
 
 def _in_norm(p) -> bool:
@@ -42,20 +45,17 @@ def _in_norm(p) -> bool:
 
 
 class Gradients:
-    def __init__(self, store: Store, weights, update):
-        self.store, self.weights, self.update = store, weights, update
-        self.device, self.model_dtype = store.device, store.model_dtype
-        self.group, self.dp_rank, self.dp_size = store.group, store.dp_rank, store.dp_size
-        self.use_reduce_scatter = store.use_reduce_scatter
-        self.accumulate, self.num_microbatches = store.accumulate, store.num_microbatches
-        self.main_grads = store.main_grads  # micro batches add up in fp32 main grads on the device
-        self.max_reduce_events = store.cfg.zero_cache.max_param_reduce_events
-        self.params, self.sub_groups, self.group_of = store.params, store.sub_groups, store.group_of
-        self.layouts, self.slot_of, self.shape = store.layouts, store.slot_of, store.shape
-        self.partitioned = store.partitioned
-        self.streams, self.profile = store.streams, store.profile
-        self._n = store._n
-        self._acc_slots, self._update_free = store.acc_slots, store.update_free
+    def __init__(self, layout: Layout, bufs: Sequence[ChunkBuffers], acc_slots: List[torch.Tensor],
+                 update_free: list, weights, update, device: torch.device, group, streams: Streams,
+                 profile: Profile, use_reduce_scatter: bool, max_reduce_events: int):
+        """bufs: the chunks' buffers (at their indices); acc_slots: the device slots host chunks'
+        running sums pass through; update_free: the device update buffers' events (shared memory);
+        weights, update: the parts it calls. use_reduce_scatter: collectives on tensors of the device
+        (NCCL), not lists (gloo on CPU); max_reduce_events: reductions in flight at most."""
+        self.layout, self.bufs, self.weights, self.update = layout, bufs, weights, update
+        self.device, self.group, self.streams, self.profile = device, group, streams, profile
+        self.use_reduce_scatter, self.max_reduce_events = use_reduce_scatter, max_reduce_events
+        self._acc_slots, self._update_free = acc_slots, update_free
         self._acc_free, self._acc_slot = [None] * ACCUMULATION_SLOTS, 0
         self.handles = []
         self.tied, self.deferred = None, set()
@@ -66,7 +66,7 @@ class Gradients:
         sub-group goes to the owner, in flush: an all-reduce in a backward hook would wait for the other
         stage, which under 1F1B waits for this one."""
         self.tied = weight
-        self.deferred = set() if weight is None else {self.group_of[id(weight)]}
+        self.deferred = set() if weight is None else {self.layout.group_of[id(weight)]}
 
     def install_hooks(self, named) -> None:
         """A post-accumulate hook on every parameter (on_grad)."""
@@ -80,7 +80,7 @@ class Gradients:
     def reset_backward_state(self) -> None:
         self._seen = collections.Counter()  # gradients of the sub-group in this micro batch so far
         self._completed = collections.Counter()  # micro batches whose backward finished the sub-group
-        self._offloaded = [False] * len(self.sub_groups)
+        self._offloaded = [False] * len(self.layout.sub_groups)
         self._sq = torch.zeros((), dtype=torch.float32, device=self.device)
         self._in_flight = collections.deque()
         self._micro = collections.Counter()  # micro batches of each sub-group offloaded so far
@@ -94,21 +94,22 @@ class Gradients:
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         """Post-accumulate hook: this micro batch's gradient added to p's fp32 main grad (main_grads) and
         released; a sub-group whose gradients are final is reduced and offloaded now."""
-        if self.main_grads:
+        L = self.layout
+        if L.main_grads:
             main = self._main.get(id(p))
             if main is None:
                 self._main[id(p)] = p.grad.to(torch.float32)
             else:
                 main.add_(p.grad)
             p.grad = None
-        gi = self.group_of[id(p)]
+        gi = L.group_of[id(p)]
         self._seen[gi] += 1
-        if self._seen[gi] == len(self.sub_groups[gi]):  # this micro batch is done with the sub-group
+        if self._seen[gi] == len(L.sub_groups[gi]):  # this micro batch is done with the sub-group
             self._seen[gi] = 0
             self._completed[gi] += 1
-            if gi not in self.deferred and (self.accumulate or self._completed[gi] == self.num_microbatches):
+            if gi not in self.deferred and (L.accumulate or self._completed[gi] == L.num_microbatches):
                 self._offload(gi)
-            if self.partitioned[gi]:
+            if L.partitioned[gi]:
                 self.weights.release(gi)
 
     # -- reduce to the owner, offload, release ----------------------------------------------------
@@ -118,28 +119,29 @@ class Gradients:
         go to their owner's chunk; the model's gradients are released."""
         if self._offloaded[gi]:
             return
+        L = self.layout
         first = self._micro[gi] == 0
         self._micro[gi] += 1
-        last = last or not self.accumulate or self._micro[gi] >= self.num_microbatches
+        last = last or not L.accumulate or self._micro[gi] >= L.num_microbatches
         self._offloaded[gi] = last
         if first:
             self.update.complete(gi)  # never overwrite a chunk's gradient before its last update read it
-        group = self.sub_groups[gi]
+        group = L.sub_groups[gi]
         self._sum_sequence_parallel(group)
-        if self.dp_size == 1:
+        if L.dp_size == 1:
             self._to_owner(gi, [(p, self._grad(p) if self._grad(p) is not None else
-                                 torch.zeros(self.shape[id(p)], dtype=self.model_dtype, device=self.device))
+                                 torch.zeros(L.shape[id(p)], dtype=L.model_dtype, device=self.device))
                                 for p in group], first, last)
             self._release(group)  # a stream that reads it recorded itself there (_to_owner, _accumulate)
             return
-        per_rank, seg = self.layouts[gi]
-        flat = torch.zeros(self.dp_size * seg, dtype=torch.float32, device=self.device)
+        per_rank, seg = L.dp_layouts[gi]
+        flat = torch.zeros(L.dp_size * seg, dtype=torch.float32, device=self.device)
         for r, ps in enumerate(per_rank):
             off = r * seg
             for p in ps:
                 if self._grad(p) is not None:
-                    flat[off:off + self._n(p)].copy_(self._grad(p).reshape(-1))
-                off += self._n(p)
+                    flat[off:off + L.numel(p)].copy_(self._grad(p).reshape(-1))
+                off += L.numel(p)
         self._release(group)  # copied into flat on this stream
         t0 = self.profile.start("reduce_scatter")
         if self.use_reduce_scatter:
@@ -147,7 +149,7 @@ class Gradients:
             work = dist.reduce_scatter_tensor(mine, flat, group=self.group, async_op=True)
         else:
             work = dist.all_reduce(flat, group=self.group, async_op=True)
-            mine = flat[self.dp_rank * seg:(self.dp_rank + 1) * seg]
+            mine = flat[L.dp_rank * seg:(L.dp_rank + 1) * seg]
         self._in_flight.append((gi, work, mine, t0, first, last))
         while len(self._in_flight) > self.max_reduce_events:
             self._finish_reduce()
@@ -169,7 +171,8 @@ class Gradients:
         if not marked or tp.size() == 1:
             return
         grads = [self._grad(p) if self._grad(p) is not None else
-                 torch.zeros(self.shape[id(p)], dtype=self.model_dtype, device=self.device) for p in marked]
+                 torch.zeros(self.layout.shape[id(p)], dtype=self.layout.model_dtype, device=self.device)
+                 for p in marked]
         flat = torch.cat([g.reshape(-1).float() for g in grads])
         dist.all_reduce(flat, group=tp)
         off = 0
@@ -181,12 +184,13 @@ class Gradients:
         gi, work, mine, t0, first, last = self._in_flight.popleft()
         work.wait()
         self.profile.stop("reduce_scatter", t0)
-        mine.div_(self.dp_size)
-        per_rank, _ = self.layouts[gi]
+        L = self.layout
+        mine.div_(L.dp_size)
+        per_rank, _ = L.dp_layouts[gi]
         grads, off = [], 0
-        for p in per_rank[self.dp_rank]:
-            grads.append((p, mine[off:off + self._n(p)].view(self.shape[id(p)])))
-            off += self._n(p)
+        for p in per_rank[L.dp_rank]:
+            grads.append((p, mine[off:off + L.numel(p)].view(L.shape[id(p)])))
+            off += L.numel(p)
         self._to_owner(gi, grads, first, last)
 
     def _to_owner(self, gi: int, grads, first: bool = True, last: bool = True) -> None:
@@ -201,23 +205,24 @@ class Gradients:
         # gradient is free at once rather than held until the D2H stream's queued copies have passed
         down = []
         for p, g in grads:
-            c, off = self.slot_of[id(p)]
+            c, off = self.layout.slot_of[id(p)]
+            b = self.bufs[c.index]
             if not self.streams.cuda or c.tier == "device":
-                c.grad[off:off + self._n(p)].copy_(g.reshape(-1))
+                b.grad[off:off + self.layout.numel(p)].copy_(g.reshape(-1))
             else:  # in the chunk's dtype first: a copy to the host that converts goes through pageable
-                down.append((c, off, p, g.to(c.grad.dtype)))  # memory, synchronously
+                down.append((b, off, p, g.to(b.grad.dtype)))  # memory, synchronously
         if not down:
             return
         produced = torch.cuda.current_stream(self.device).record_event()
         t0 = self.profile.start("d2h", self.streams.d2h)
         with torch.cuda.stream(self.streams.d2h):
             self.streams.d2h.wait_event(produced)
-            for c, off, p, g in down:
-                c.grad[off:off + self._n(p)].copy_(g.reshape(-1), non_blocking=True)
+            for b, off, p, g in down:
+                b.grad[off:off + self.layout.numel(p)].copy_(g.reshape(-1), non_blocking=True)
                 g.record_stream(self.streams.d2h)
                 self.profile.add_bytes("d2h", g.numel() * g.element_size())
-            for c in {id(c): c for c, _, _, _ in down}.values():
-                c.grad_ready = self.streams.d2h.record_event()
+            for b in {id(b): b for b, _, _, _ in down}.values():
+                b.grad_ready = self.streams.d2h.record_event()
         self.profile.stop("d2h", t0, self.streams.d2h)
 
     def _accumulate(self, gi: int, grads, last: bool) -> None:
@@ -226,8 +231,8 @@ class Gradients:
         after the last micro batch, its norm taken there, and goes back down (D2H stream)."""
         host = []
         for p, g in grads:
-            c, off = self.slot_of[id(p)]
-            view = c.grad[off:off + self._n(p)]
+            c, off = self.layout.slot_of[id(p)]
+            view = self.bufs[c.index].grad[off:off + self.layout.numel(p)]
             if c.tier == "device":  # its first micro batch was copied on this stream too
                 view.add_(g.reshape(-1))
                 if last and _in_norm(p):
@@ -261,9 +266,9 @@ class Gradients:
         produced = torch.cuda.current_stream(self.device).record_event()
         t0 = self.profile.start("accumulate", h2d)
         with torch.cuda.stream(h2d):  # the sum so far comes up and the new gradients are added to it
-            for c in {id(c): c for c in (self.slot_of[id(p)][0] for p, _, _ in host)}.values():
-                if c.grad_ready is not None:
-                    h2d.wait_event(c.grad_ready)  # the previous micro batch's sum has landed
+            for b in {id(b): b for b in (self._buffers_of(p) for p, _, _ in host)}.values():
+                if b.grad_ready is not None:
+                    h2d.wait_event(b.grad_ready)  # the previous micro batch's sum has landed
             for g, view, s, counted in pieces:  # while the layer's backward may still be running:
                 s.copy_(view, non_blocking=True)  # only the add waits for its gradients
             h2d.wait_event(produced)
@@ -282,35 +287,39 @@ class Gradients:
         self.profile.add_bytes("accumulate", 2 * off * slot.element_size())
         self._acc_free[i] = done
         for p, _, _ in host:
-            self.slot_of[id(p)][0].grad_ready = done
+            self._buffers_of(p).grad_ready = done
+
+    def _buffers_of(self, p) -> ChunkBuffers:
+        """The buffers of the chunk that owns p."""
+        return self.bufs[self.layout.slot_of[id(p)][0].index]
 
     def flush(self) -> None:
         """Offloads what no hook offloaded (a parameter without a gradient, a partial last micro batch, the
         tied embedding's sub-group once both stages' gradients are summed)."""
         if self.tied is not None:  # Megatron's _allreduce_word_embedding_grads
-            if self.main_grads and self._grad(self.tied) is None:
+            if self.layout.main_grads and self._grad(self.tied) is None:
                 self._main[id(self.tied)] = torch.zeros_like(self.tied, dtype=torch.float32)
             elif self._grad(self.tied) is None:
                 self.tied.grad = torch.zeros_like(self.tied)
             allreduce_tied_embedding_grad(self._grad(self.tied))
-        for gi in range(len(self.sub_groups)):
+        for gi in range(len(self.layout.sub_groups)):
             if not self._offloaded[gi]:
                 self._offload(gi, last=True)
         while self._in_flight:
             self._finish_reduce()
-        if self.streams.cuda and self.accumulate:  # the norms of the host chunks' sums (side stream)
+        if self.streams.cuda and self.layout.accumulate:  # the norms of the host chunks' sums (side stream)
             torch.cuda.current_stream(self.device).wait_stream(self.streams.h2d)
         self._sq += self._sq_side
         self._sq_side.zero_()  # counted once, however often flush runs
 
     # -- the step's view of them ------------------------------------------------------------------
     def zero_grad(self) -> None:
-        self._release(self.params)
+        self._release(self.layout.params)
         self.reset_backward_state()
 
     def global_norm(self) -> float:
         sq = self._sq
-        if self.dp_size > 1:
+        if self.layout.dp_size > 1:
             dist.all_reduce(sq, group=self.group)
         mp = parallel_state.get_model_parallel_group()
         if mp.size() > 1:

@@ -46,10 +46,11 @@ def checkpoint_views(model, opt) -> dict:
         counts["shards_per_key"] = max(counts["shards_per_key"], *keys.values())
         for ten in state.values():
             ptr = ten.data.data_ptr()
-            if any(c.tier != "nvme" and c.states.data_ptr() <= ptr < c.states.data_ptr() + c.states.nbytes
-                   for c in opt.store.chunks):
+            if any(c.tier != "nvme" and b.states.data_ptr() <= ptr < b.states.data_ptr() + b.states.nbytes
+                   for c, b in zip(opt.layout.chunks, opt.buffers.chunks)):
                 counts["chunk"] += 1
-            elif mapped_file(ptr) in {str(c.file) for c in opt.store.chunks if c.tier == "nvme"}:
+            elif mapped_file(ptr) in {str(b.file) for c, b in zip(opt.layout.chunks, opt.buffers.chunks)
+                                      if c.tier == "nvme"}:
                 counts["nvme_file"] += 1
             else:
                 counts["copy"] += 1
@@ -93,7 +94,7 @@ def main():
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
     cfg, beside = concrete(cfg, on_gpu)
     opt = ZeroCacheOptimizer(model, cfg, device, beside)  # the hooks offload each layer during the backward passes
-    store, weights = opt.store, opt.weights
+    layout, nvme, weights = opt.layout, opt.buffers.nvme, opt.weights
     o = cfg.optim
     ref_opt = torch.optim.AdamW(param_groups(ref, o.weight_decay), lr=o.lr, betas=(o.adam_beta1, o.adam_beta2),
                                 eps=o.adam_eps, weight_decay=o.weight_decay)
@@ -118,8 +119,8 @@ def main():
         ok, norm, _ = opt.step()
         assert ok
         opt.wait()  # pipelined: the update lands at the next forward's pre-hooks, or here
-        if store.nvme:
-            nvme_files = sorted(str(f) for f in store.nvme.dir.iterdir())
+        if nvme:
+            nvme_files = sorted(str(f) for f in nvme.dir.iterdir())
         opt.zero_grad()
         ref_opt.zero_grad()
         if step == 0:  # one update: every parameter on its own
@@ -135,25 +136,25 @@ def main():
     with opt.materialized():  # offloaded layers' weights read from their host copies
         diff = sum(((p.to(q.device) - q) ** 2).sum() for p, q in zip(model.parameters(), ref.parameters())).sqrt()
         err = (diff / sum((q ** 2).sum() for q in ref.parameters()).sqrt()).item()
-    offloaded = [gi for gi, f in enumerate(store.partitioned) if f]
-    released = all(p.numel() == 0 for gi in offloaded for p in store.sub_groups[gi])
-    tiers = sorted({c.tier for c in store.chunks})
+    offloaded = [gi for gi, f in enumerate(layout.partitioned) if f]
+    released = all(p.numel() == 0 for gi in offloaded for p in layout.sub_groups[gi])
+    tiers = sorted({c.tier for c in layout.chunks})
     allocated = opt.memory()
-    nvme_dir = str(store.nvme.dir) if store.nvme else None
+    nvme_dir = str(nvme.dir) if nvme else None
     with opt.materialized():  # as a checkpoint sees them: offloaded weights from their host copies
         in_place = checkpoint_views(model, opt)
     opt.close()
-    result = {"rank": rank, "first_update_max_rel_err": first_err, "three_updates_rel_err": err, "tiers": tiers, "allocated": allocated, "planned": store.planned_bytes,
-              "nvme_files": nvme_files, "nvme_dir": nvme_dir, "owned_numel": sum(c.numel for c in store.chunks),
+    result = {"rank": rank, "first_update_max_rel_err": first_err, "three_updates_rel_err": err, "tiers": tiers, "allocated": allocated, "planned": dict(layout.planned_bytes),
+              "nvme_files": nvme_files, "nvme_dir": nvme_dir, "owned_numel": sum(c.numel for c in layout.chunks),
               "total_numel": sum(ref_p.numel() for ref_p in ref.parameters()), "offloaded_layers": offloaded,
               "released_after_use": released, "prefetch_depth": weights.prefetch_depth,
               "eval_peak_live_params": eval_peak, "checkpoint_views": in_place,
-              "device_updated": sum(c.numel for c in store.chunks if c.device_update),
-              "cpu_adam": "native" if store.cpu_adam else "torch",
-              "host_numel": sum(c.numel for c in store.chunks if c.tier == "host"),
-              "split_groups": [gi for gi, cs in enumerate(store.chunks_of) if len({c.tier for c in cs}) > 1],
-              "chunks_per_group": max(len(cs) for cs in store.chunks_of),
-              "layer_params": [store.layouts[gi][1] * store.dp_size for gi in offloaded]}
+              "device_updated": sum(c.numel for c in layout.chunks if c.device_update),
+              "cpu_adam": "native" if opt.cpu_adam else "torch",
+              "host_numel": sum(c.numel for c in layout.chunks if c.tier == "host"),
+              "split_groups": [gi for gi, cs in enumerate(layout.chunks_of) if len({c.tier for c in cs}) > 1],
+              "chunks_per_group": max(len(cs) for cs in layout.chunks_of),
+              "layer_params": [layout.dp_layouts[gi][1] * layout.dp_size for gi in offloaded]}
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, result)
     if rank == 0:

@@ -44,9 +44,9 @@ def test_a_deferred_build_holds_no_layer_until_the_store_fills_and_then_equals_t
         seen.append((before, sum(p.is_meta for p in params)))
 
     opt = ZeroCacheOptimizer(model, cfg, torch.device("cpu"), 0, materialize=spy)
-    assert len(seen) == len(opt.store.sub_groups) and all(after == 0 for _, after in seen)
+    assert len(seen) == len(opt.layout.sub_groups) and all(after == 0 for _, after in seen)
     assert sum(before > 0 for before, _ in seen) == cfg.model.num_layers  # one call per layer, each made real
-    assert opt.store.partitioned[1:-1] == [offload] * cfg.model.num_layers
+    assert list(opt.layout.partitioned[1:-1]) == [offload] * cfg.model.num_layers
     with opt.materialized():
         for (n, p), q in zip(model.named_parameters(), ref.parameters()):
             assert not p.is_meta and torch.equal(p.detach().cpu(), q.detach()), n
@@ -73,7 +73,7 @@ def test_the_capacity_check_counts_resident_layers_not_built_yet(megatron_single
     device room the capacity check sees is the same as with the whole model built first."""
     from angelgpt.model.deferred import materializer
     from angelgpt.model.gpt import build_gpt
-    from angelgpt.zero_cache import store as store_module
+    from angelgpt.zero_cache import layout as layout_module
     from angelgpt.optimizer.zero_cache import ZeroCacheOptimizer
 
     cfg = _zero_cache_cfg("zero_cache.prefetch_cache_sub_group_rate=0.5", "zero_cache.offload_params=true",
@@ -82,12 +82,12 @@ def test_the_capacity_check_counts_resident_layers_not_built_yet(megatron_single
     for defer in (False, True):
         model = build_gpt(cfg, on_gpu=False, defer_layers=defer)
         built = sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)
-        monkeypatch.setattr(store_module, "available_bytes",  # the device holds what is built
+        monkeypatch.setattr(layout_module, "available_bytes",  # the device holds what is built
                             lambda *a, built=built, **k: {"device": 2 ** 40 - built, "host": 2 ** 40, "nvme": 0})
-        monkeypatch.setattr(store_module, "check_capacity",
+        monkeypatch.setattr(layout_module, "check_capacity",
                             lambda needed, avail, defer=defer: room.setdefault(defer, avail["device"]))
         opt = ZeroCacheOptimizer(model, cfg, torch.device("cpu"), 0,
                                  materialize=materializer(model, torch.device("cpu")) if defer else None)
-        assert any(opt.store.partitioned) and not all(opt.store.partitioned[1:-1])
+        assert any(opt.layout.partitioned) and not all(opt.layout.partitioned[1:-1])
         opt.close()
     assert room[True] == room[False]

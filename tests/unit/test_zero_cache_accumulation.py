@@ -66,9 +66,9 @@ def accumulate(device, in_store: bool, fp32: bool, micro: int = MICRO, step: boo
 
     handles = [p.register_post_accumulate_grad_hook(capture(k)) for k, p in named.items()]
     opt = ZeroCacheOptimizer(model, cfg, device, 0)
-    store = opt.store
-    out = {"grad_dtype": store.grad_dtype, "chunk_grads": {c.grad.dtype for c in store.chunks},
-           "slots": {s.dtype for s in store.acc_slots}, "main_grads": store.main_grads}
+    layout, buffers = opt.layout, opt.buffers
+    out = {"grad_dtype": layout.grad_dtype, "chunk_grads": {b.grad.dtype for b in buffers.chunks},
+           "slots": {s.dtype for s in buffers.acc_slots}, "main_grads": layout.main_grads}
     for i, tokens in enumerate(batches):
         current[0] = i
         backward(tokens)
@@ -82,7 +82,8 @@ def accumulate(device, in_store: bool, fp32: bool, micro: int = MICRO, step: boo
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     name_of = {id(p): k for k, p in named.items()}
-    out["zc"] = {name_of[id(p)]: view.float().cpu() for c in store.chunks for p, view in c.views(c.grad)}
+    out["zc"] = {name_of[id(p)]: view.float().cpu() for c in layout.chunks
+                 for p, view in c.views(buffers.chunks[c.index].grad)}
     out.update(ref32={k: v.cpu() for k, v in ref32.items()}, ref16={k: v.float().cpu() for k, v in ref16.items()},
                seen={k: v.cpu() for k, v in seen.items()}, cfg=cfg, opt=opt, model=model, initial=initial)
     if step:
@@ -121,15 +122,15 @@ def test_micro_batches_add_up_in_fp32(megatron_single_rank, in_store):
     torch.optim.AdamW(groups, lr=r["opt"].param_groups[0]["lr"], betas=(o.adam_beta1, o.adam_beta2),
                       eps=o.adam_eps).step()
     names = {id(p): k for k, p in r["model"].named_parameters()}
-    store = r["opt"].store
-    new = {names[id(p)]: view.clone() for c in store.chunks for p, view in c.views(c.states[0])}
+    layout, bufs = r["opt"].layout, r["opt"].buffers.chunks
+    new = {names[id(p)]: view.clone() for c in layout.chunks for p, view in c.views(bufs[c.index].states[0])}
     assert _rel(new, {k: p.detach() for k, p in masters.items()}) < 1e-6
-    offloaded = [c for c in store.chunks if store.partitioned[c.group]]
-    assert offloaded and all(c.weights.dtype == torch.bfloat16 and c.weights.data_ptr() != c.grad.data_ptr()
-                             for c in offloaded)
+    offloaded = [bufs[c.index] for c in layout.chunks if layout.partitioned[c.group]]
+    assert offloaded and all(b.weights.dtype == torch.bfloat16 and b.weights.data_ptr() != b.grad.data_ptr()
+                             for b in offloaded)
     with r["opt"].materialized():
-        for c in store.chunks:
-            for p, view in c.views(c.states[0]):
+        for c in layout.chunks:
+            for p, view in c.views(bufs[c.index].states[0]):
                 assert torch.equal(p.detach().cpu(), view.to(torch.bfloat16)), names[id(p)]
     r["opt"].close()
 
@@ -165,8 +166,7 @@ def test_the_native_and_torch_cpu_adamw_agree_on_fp32_gradients(megatron_single_
     masters = []
     for kernel in ("native", "torch"):
         r = accumulate(torch.device("cpu"), True, fp32=True, step=True, extra=[f"zero_cache.cpu_adam={kernel}"])
-        store = r["opt"].store
-        assert (store.cpu_adam is not None) == (kernel == "native")
-        masters.append(torch.cat([c.states[0].clone() for c in store.chunks]))
+        assert (r["opt"].cpu_adam is not None) == (kernel == "native")
+        masters.append(torch.cat([b.states[0].clone() for b in r["opt"].buffers.chunks]))
         r["opt"].close()
     torch.testing.assert_close(masters[0], masters[1], rtol=1e-5, atol=1e-7)

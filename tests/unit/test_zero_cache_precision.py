@@ -93,7 +93,7 @@ def build(tmp_path, fmt=(), cpu_adam="native", name="a", layout="offloaded", hos
 
 def train_step(cfg, model, opt, seed: int) -> float:
     gen = torch.Generator().manual_seed(seed)
-    device = opt.store.device
+    device = opt.device
     pos = torch.arange(cfg.model.seq_length, device=device).expand(2, -1)
     total = 0.0
     opt.zero_grad()  # as the training loop does before each step
@@ -113,13 +113,13 @@ def states(model, opt) -> dict:
     fp8 moments decoded into bf16 (exact), and their scales per element under name + '.scales'."""
     from angelgpt.zero_cache.precision import Blockwise, decoded_master, read_moment
 
-    store = opt.store
+    layout = opt.layout
     names = {id(p): n for n, p in model.named_parameters()}
     out = {}
     with opt.materialized():  # (over DP it fetches every offloaded layer: once, on every rank)
-        for c in store.chunks:
+        for c in layout.chunks:
             rows = opt.checkpoint._chunk_states(c)
-            master = decoded_master(store.format, rows, c.hi)
+            master = decoded_master(layout.format, rows, opt.buffers.chunks[c.index].hi)
             scales = [r.scales.cpu().repeat_interleave(256)[:c.numel] if isinstance(r, Blockwise) else None
                       for r in rows]
             rows = [read_moment(r, torch.empty(c.numel), squared=k == 2).to(torch.bfloat16)
@@ -140,11 +140,11 @@ def updaters(model, opt) -> dict:
     the two kernels may round an element's update differently (CUDA contracts to fused multiply-adds)."""
     names = {id(p): n for n, p in model.named_parameters()}
     return {names[id(p)]: "device" if c.tier == "device" or c.device_update else "cpu"
-            for c in opt.store.chunks for p in c.params}
+            for c in opt.layout.chunks for p in c.params}
 
 
 def tiers(opt) -> set:
-    s = opt.store
+    s = opt.layout
     return ({c.tier for c in s.chunks} | ({"streamed"} if any(c.device_update for c in s.chunks) else set())
             | ({"offloaded"} if any(s.partitioned) else set()))
 
@@ -256,7 +256,7 @@ def test_a_checkpoint_loads_into_another_format(megatron_single_rank, tmp_path, 
                     assert torch.all((got - ref).abs() <= ref.abs() / 8 + b[k + ".scales"][j - 1] * 2.0 ** -9), k
                 else:
                     assert torch.equal(b[k][j], a[k][j].to(b[k][j].dtype)), (k, j)
-        assert int(opt2.store.chunks[0].step) == 1
+        assert int(opt2.buffers.chunks[0].step) == 1
         x, y = train_step(cfg, model, opt, 2), train_step(cfg2, model2, opt2, 2)
         assert abs(x - y) <= (1e-2 if loaded == "fp32-model" else 1e-3) * abs(x), (x, y)
         if saved == loaded:
@@ -276,16 +276,17 @@ def test_placement_counts_what_the_store_allocates(megatron_single_rank, tmp_pat
     cfg, model, opt = build(tmp_path, [] if fmt == "fp32" else {**FORMATS, **FP8}[fmt],
                             host=HOST.get(("offloaded", fmt)))
     try:
-        planned, held = opt.store.planned_bytes, opt.store.allocated_bytes()
-        numel = sum(c.numel for c in opt.store.chunks)
+        planned, held = opt.layout.planned_bytes, opt.memory()
+        numel = sum(c.numel for c in opt.layout.chunks)
         states_planned = sum(planned.values())
         assert {t: held[t] for t in planned} == planned
-        assert opt.store.format.bytes == {"fp32": 12, "both": 6, "smallest": 4 + 8 / 256}[fmt]
-        assert sum(c.raw.numel() for c in opt.store.chunks if c.raw is not None) + sum(
-            c.file.stat().st_size for c in opt.store.chunks if c.file is not None) == sum(
-            4 * -(-c.numel // 256) * 2 + 4 * c.numel if fmt == "smallest" else c.numel * opt.store.format.bytes
-            for c in opt.store.chunks)
-        assert states_planned >= numel * opt.store.format.bytes
+        assert opt.layout.format.bytes == {"fp32": 12, "both": 6, "smallest": 4 + 8 / 256}[fmt]
+        bufs = opt.buffers.chunks
+        assert sum(b.raw.numel() for b in bufs if b.raw is not None) + sum(
+            b.file.stat().st_size for b in bufs if b.file is not None) == sum(
+            4 * -(-c.numel // 256) * 2 + 4 * c.numel if fmt == "smallest" else c.numel * opt.layout.format.bytes
+            for c in opt.layout.chunks)
+        assert states_planned >= numel * opt.layout.format.bytes
     finally:
         opt.close()
 
