@@ -4,6 +4,7 @@ import dataclasses
 import typing
 
 import pytest
+from pydantic import ValidationError
 
 from angelgpt.config import ConfigError, ResolvedConfig, parse
 from angelgpt.config.schema import SECTIONS, Config, type_text
@@ -103,3 +104,21 @@ def test_no_field_of_a_resolved_config_admits_auto():
     for name, cls in SECTIONS.items():
         narrowed = typing.get_type_hints(resolved[name], include_extras=True)
         assert [f.name for f in dataclasses.fields(cls) if "'auto'" in type_text(narrowed[f.name])] == [], name
+
+
+AUTO_FIELDS = [f"{name}.{f.name}" for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)
+               if "'auto'" in type_text(typing.get_type_hints(cls, include_extras=True)[f.name])]
+
+
+@pytest.mark.parametrize("key", AUTO_FIELDS)
+def test_a_resolved_config_refuses_auto_at_construction(key):
+    """A ResolvedConfig (what resolve_config returns, what the worker and the optimizers build from) holds
+    no 'auto': constructing one with an 'auto' is refused naming the field."""
+    from angelgpt.planner import MACHINES, resolve_config
+
+    resolved, _ = resolve_config(parse("tiny", overrides=["optim.optimizer=zero_cache"]), MACHINES["h200"], 1, 1,
+                                 on_gpu=False)
+    section, name = key.split(".")
+    with pytest.raises(ValidationError, match=rf"\n{name}\n"):
+        dataclasses.replace(getattr(resolved, section), **{name: "auto"})
+    assert len(AUTO_FIELDS) >= 10
