@@ -1,5 +1,6 @@
 """docs/config.md, the config reference, from the config schema: each section of
-angelgpt/config/schema.py (SECTIONS), each field with its type, its default and the docstring under it.
+angelgpt/config/schema.py (SECTIONS), each field with its type (in words: schema.type_text), its
+default and the docstring under it.
 
     python scripts/config_reference.py > docs/config.md
     python scripts/config_reference.py --write      # the same, into docs/config.md
@@ -11,6 +12,7 @@ import ast
 import dataclasses
 import inspect
 import sys
+import typing
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,9 +46,6 @@ def default(field: dataclasses.Field) -> str:
     return "required"
 
 
-def type_name(field: dataclasses.Field) -> str:
-    """The annotation as the schema writes it (a string under `from __future__ import annotations`)."""
-    return field.type if isinstance(field.type, str) else getattr(field.type, "__name__", str(field.type))
 
 
 def reference() -> str:
@@ -63,10 +62,11 @@ def reference() -> str:
         "Sections: " + ", ".join(f"[{name}](#{name})" for name in schema.SECTIONS) + ".",
     ]
     for name, cls in schema.SECTIONS.items():
-        docs = field_docs(cls)
+        docs, types = field_docs(cls), typing.get_type_hints(cls, include_extras=True)
         lines += ["", f"## {name}", ""]
         for field in dataclasses.fields(cls):
-            lines.append(f"- **`{name}.{field.name}`** (`{type_name(field)}`, default `{default(field)}`):")
+            lines.append(f"- **`{name}.{field.name}`** (`{schema.type_text(types[field.name])}`, "
+                         f"default `{default(field)}`):")
             lines += [f"  {line}".rstrip() for line in docs.get(field.name, "").splitlines()]
     if ALIASES:
         lines += ["", "## Renamed keys", "", "Still accepted where they are written, as the key they became:", ""]

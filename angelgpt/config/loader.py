@@ -1,5 +1,5 @@
 """Parse a Config: KEY=VALUE overrides > user YAML > preset > dataclass defaults (the first step: the
-planner's resolve_config then makes every 'auto' concrete, and plans).
+planner's resolve_config then makes every 'auto' concrete, and plans); load a resolved run config.
 
     from angelgpt.config import parse
     cfg = parse(size="tiny", overrides=["model.num_layers=4", "train_iters=10"])
@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.resources
-import math
 import typing
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional
 
 import yaml
+from pydantic import ValidationError
 
-from angelgpt.config.schema import SECTIONS, Config, ConfigError
+from angelgpt.config.schema import SECTIONS, Config, ConfigError, ResolvedConfig, is_choice, type_text
 
 
 def _preset_dir() -> Path:
@@ -104,60 +104,42 @@ def _merge(base: Dict[str, Dict[str, Any]], layer: Dict[str, Any], source: str) 
             base.setdefault(where, {})[field] = value
 
 
-def _type_name(tp) -> str:
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+def _refusal(cls, section: Optional[str], error: dict) -> str:
+    """One line for what pydantic refused in `section` of config class `cls` (None: across sections): a
+    check's own message, or the key, what its type allows and the value."""
+    if error["type"] == "value_error" and isinstance(error.get("ctx", {}).get("error"), ConfigError):
+        return str(error["ctx"]["error"])
+    name = error["loc"][0] if error["loc"] else None
+    section_cls = typing.get_type_hints(cls).get(section)
+    tp = typing.get_type_hints(section_cls, include_extras=True).get(name) if section_cls and name else None
+    if tp is None:
+        return f"{section or 'config'}: {error['msg']}"
+    if is_choice(tp):
+        return f"{section}.{name} must be {type_text(tp)}, got {error['input']!r}"
+    return f"{section}.{name}: expected {type_text(tp)}, got {error['input']!r}"
 
 
-def _coerce(key: str, value: Any, tp) -> Any:
-    """Checks value against a field annotation; ints are accepted where floats are asked for."""
-    origin = typing.get_origin(tp)
-    if origin is Union:
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(key, value, arg)
-            except ConfigError:
-                continue
-        allowed = " or ".join(_type_name(a) for a in args if a is not type(None))
-        raise ConfigError(f"{key}: expected {allowed}, got {value!r}")
-    if origin in (list, List):
-        (inner,) = typing.get_args(tp)
-        if not isinstance(value, list):
-            raise ConfigError(f"{key}: expected a list, got {value!r}")
-        return [_coerce(key, v, inner) for v in value]
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-    elif tp is float:
-        if isinstance(value, str):  # YAML 1.1 reads 1e-4 (no dot) as a string
-            try:
-                value = float(value)
-            except ValueError:
-                pass
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-            return float(value)
-    elif tp is str:
-        if isinstance(value, str):
-            return value
-    raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
-
-
-def _build(layers: Dict[str, Dict[str, Any]], name: str) -> Config:
-    sections = {}
-    for section, cls in SECTIONS.items():
-        hints = typing.get_type_hints(cls)
-        kwargs = {k: _coerce(f"{section}.{k}", v, hints[k]) for k, v in layers.get(section, {}).items()}
-        sections[section] = cls(**kwargs)
-    return Config(name=name, **sections)
+def _build(cls, layers: Dict[str, Dict[str, Any]], name: str, source: Optional[str] = None):
+    """Config class `cls` from each section's values; ConfigError naming the first key refused, or for a
+    ResolvedConfig read from `source` every setting still 'auto'."""
+    types = typing.get_type_hints(cls)
+    sections, refused = {}, []
+    for section in SECTIONS:
+        try:
+            sections[section] = types[section](**layers.get(section, {}))
+        except ValidationError as exc:
+            refused += [(section, error) for error in exc.errors()]
+    left = list(dict.fromkeys(f"{section}.{error['loc'][0]}" for section, error in refused
+                              if error["loc"] and error["input"] == "auto"))
+    if cls is ResolvedConfig and left:
+        raise ConfigError(f"{source} is not a resolved run config: {', '.join(left)} still 'auto' (`angelgpt "
+                          f"train` resolves every 'auto' and writes the run config its workers take)")
+    if refused:
+        raise ConfigError(_refusal(cls, *refused[0]))
+    try:
+        return cls(name=name, **sections)
+    except ValidationError as exc:  # Config.__post_init__: the checks that span sections
+        raise ConfigError(_refusal(cls, None, exc.errors()[0])) from None
 
 
 def parse_override(item: str) -> typing.Tuple[str, str, Any]:
@@ -172,9 +154,9 @@ def parse_override(item: str) -> typing.Tuple[str, str, Any]:
     return section, name, value
 
 
-def parse(size: Optional[str] = None, config_file: Optional[str] = None,
-          overrides: Optional[List[str]] = None) -> Config:
-    """Builds and validates the Config ('auto' left as given); raises ConfigError with one line on bad input."""
+def _layers(size: Optional[str], config_file: Optional[str],
+            overrides: List[str]) -> typing.Tuple[Dict[str, Dict[str, Any]], str]:
+    """Each section's values, preset then YAML then overrides, and the config's name."""
     if size is None and config_file is None:
         size = CUSTOM
     layers: Dict[str, Dict[str, Any]] = {}
@@ -189,13 +171,24 @@ def parse(size: Optional[str] = None, config_file: Optional[str] = None,
         if size is None and isinstance(user.get("name"), str):
             name = user["name"]
         _merge(layers, user, str(config_file))
-    for item in overrides or []:
+    for item in overrides:
         section, key, value = parse_override(item)
         layers.setdefault(section, {})[key] = value
-    try:
-        return _build(layers, name)
-    except TypeError as exc:  # a dataclass rejecting an argument: report it as config
-        raise ConfigError(str(exc)) from None
+    return layers, name
+
+
+def parse(size: Optional[str] = None, config_file: Optional[str] = None,
+          overrides: Optional[List[str]] = None) -> Config:
+    """Builds and validates the Config ('auto' left as given); raises ConfigError with one line on bad input."""
+    layers, name = _layers(size, config_file, overrides or [])
+    return _build(Config, layers, name)
+
+
+def load_run_config(path: str) -> ResolvedConfig:
+    """The resolved run config at `path` (the YAML `angelgpt train` writes for its workers); one still
+    holding an 'auto', or bad input, is refused (ConfigError, one line)."""
+    layers, name = _layers(None, path, [])
+    return _build(ResolvedConfig, layers, name, path)
 
 
 def to_dict(cfg: Config) -> Dict[str, Any]:

@@ -1,15 +1,22 @@
-"""Configuration sections, one dataclass each, with a docstring under every field.
+"""Configuration sections, one pydantic dataclass each, with a docstring under every field.
 
-Local checks live in each section's ``__post_init__``; checks that span sections or need the world
-size live in ``Config.validate``. Every failure raises ``ConfigError`` with one line naming the key,
-the value and what is allowed.
+Two configs: `Config`, as parsed (a setting may be 'auto'), and `ResolvedConfig`, what the planner's
+resolve_config returns and the worker reads, whose sections narrow every 'auto' field to its values
+(Resolved*Config, no docstrings of their own). Construction checks each field against its annotation
+(strictly: no string becomes an int or a bool; an int is taken for a float); a section's
+``__post_init__`` checks what its types cannot, and ``Config.__post_init__`` what spans sections.
+The loader turns a refusal into ``ConfigError``, one line naming the key, the value and what is allowed.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
-from typing import List, Optional, Union
+import typing
+from dataclasses import field, fields
+from typing import Annotated, List, Literal, Optional, Union
+
+from pydantic import BeforeValidator, ConfigDict
+from pydantic.dataclasses import dataclass
 
 from angelgpt.config import optimizers
 from angelgpt.config.errors import ConfigError
@@ -20,19 +27,66 @@ def _require(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
+def _yaml_float(value):
+    """YAML 1.1 reads a number with an exponent and no dot (1e-4) as a string: such a string is its float."""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    return value
+
+
+# a float field: an int is taken too (strict mode), and YAML 1.1's string for 1e-4
+Float = Annotated[float, BeforeValidator(_yaml_float)]
+Auto = Literal["auto"]
+# the values of the settings that may be 'auto' (a ResolvedConfig holds one of these)
+Recompute = Literal["none", "full"]
+ActivationOffload = Literal["none", "checkpoints"]
+TransformerImpl = Literal["local", "transformer_engine"]
+CpuAdam = Literal["native", "torch"]
+Device = Literal["cpu", "cuda"]
 # the dtypes ZeRO-Cache keeps Adam's moments in (optim.exp_avg_dtype, optim.exp_avg_sq_dtype)
-MOMENT_DTYPES = ("fp32", "bf16", "fp8")
+MomentDtype = Literal["fp32", "bf16", "fp8"]
 # the largest adam_beta2 a bf16 exp_avg_sq takes: its decay of 1 - beta2 a step must stay clear of half
 # a bf16 step (2**-9 relative), where rounding to nearest would keep the moment where it is
 BF16_EXP_AVG_SQ_MAX_BETA2 = 0.99
 
+# every section: fields checked against their annotations at construction, defaults included
+_CHECKED = ConfigDict(strict=True, allow_inf_nan=False, validate_default=True)
+_section = dataclass(config=_CHECKED)
 
-def _fraction_or_auto(key: str, value) -> None:
-    """A number in [0, 1], or the string 'auto'."""
-    if isinstance(value, str):
-        _require(value == "auto", f"{key} must be a number in [0, 1] or 'auto', got '{value}'")
-    else:
-        _require(0.0 <= value <= 1.0, f"{key} must be in [0, 1] or 'auto', got {value}")
+
+def type_text(tp) -> str:
+    """An annotation in words, as errors and docs/config.md say it: `int or None`, `float or 'auto'`,
+    `'none', 'full' or 'auto'`, `list of str`."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Annotated:
+        return type_text(args[0])
+    if origin is Literal:
+        return _alternatives([repr(a) for a in args])
+    if origin is Union:  # a Literal's values are alternatives of their own
+        return _alternatives([word for arg in args for word in (
+            [repr(a) for a in typing.get_args(arg)] if typing.get_origin(arg) is Literal else [type_text(arg)])])
+    if origin is list:
+        inner = type_text(args[0])
+        return f"list of ({inner})" if " or " in inner else f"list of {inner}"
+    return "None" if tp is type(None) else tp.__name__
+
+
+def _alternatives(words: List[str]) -> str:
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
+
+
+def is_choice(tp) -> bool:
+    """The annotation allows listed values only (Literal, or Optional of one)."""
+    args = typing.get_args(tp) if typing.get_origin(tp) is Union else (tp,)
+    return all(a is type(None) or typing.get_origin(a) is Literal for a in args)
+
+
+def _fraction(key: str, value) -> None:
+    """A number in [0, 1] (or 'auto', which the type allows where it does)."""
+    _require(value == "auto" or 0.0 <= value <= 1.0, f"{key} must be in [0, 1] or 'auto', got {value}")
 
 
 def _importable(module: str) -> bool:
@@ -63,7 +117,7 @@ def _positive(section: str, **values) -> None:
         _require(value > 0, f"{section}.{key} must be > 0, got {value}")
 
 
-@dataclass
+@_section
 class ModelConfig:
     num_layers: int = 2
     """Number of transformer layers."""
@@ -83,10 +137,10 @@ class ModelConfig:
     """Gated SiLU MLP (Megatron's gated_linear_unit with activation_func silu): linear_fc1 makes
     2 * ffn_hidden_size outputs, silu(gate) * up, and linear_fc2 takes ffn_hidden_size back to
     hidden_size. False: GELU MLP (GPT-2)."""
-    normalization: str = "LayerNorm"
+    normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
     """'LayerNorm' (weight and bias, GPT-2) or 'RMSNorm' (weight only, Llama): the layers' two norms and
     the final one."""
-    norm_epsilon: float = 1e-5
+    norm_epsilon: Float = 1e-5
     """Epsilon of every norm (Megatron's layernorm_epsilon)."""
     add_bias_linear: bool = True
     """Biases in the attention's and the MLP's linear layers (GPT-2); False: none (Llama)."""
@@ -99,23 +153,23 @@ class ModelConfig:
     """Tokenizer vocabulary size before padding (a real tokenizer's size overrides it)."""
     make_vocab_size_divisible_by: int = 128
     """Pad the vocabulary to a multiple of this times the tensor-parallel size, as Megatron does."""
-    position_embedding_type: str = "learned_absolute"
+    position_embedding_type: Literal["learned_absolute", "rope"] = "learned_absolute"
     """'learned_absolute' (GPT-2: a learned embedding per position) or 'rope' (rotary embeddings of
     queries and keys, Megatron's RotaryEmbedding; no parameters)."""
     rotary_base: int = 10000
     """RoPE's base period (Llama 3: 500000). Used only with position_embedding_type 'rope'."""
-    rotary_percent: float = 1.0
+    rotary_percent: Float = 1.0
     """Fraction of each head's channels that RoPE rotates, in (0, 1]; kv_channels * rotary_percent
     (rounded down) must be even. Used only with position_embedding_type 'rope'."""
     untie_embeddings_and_output_weights: bool = False
     """Give the output layer its own weights instead of sharing the input embedding."""
-    hidden_dropout: float = 0.0
+    hidden_dropout: Float = 0.0
     """Dropout after attention and MLP."""
-    attention_dropout: float = 0.0
+    attention_dropout: Float = 0.0
     """Dropout on attention probabilities."""
-    init_method_std: float = 0.02
+    init_method_std: Float = 0.02
     """Standard deviation of the normal weight initialisation."""
-    recompute: str = "none"
+    recompute: Literal[Recompute, "auto"] = "none"
     """Activation recompute: 'none', 'full' (layers' activations are recomputed in backward, all of them
     or the first recompute_num_layers), or 'auto': the planner's choice at launch, none where the
     activations fit and that is faster, else full with as many layers keeping their activations as fit
@@ -124,7 +178,7 @@ class ModelConfig:
     """With recompute 'full': how many layers of each pipeline stage (the first ones) recompute their
     activations in backward, Megatron's recompute_method 'block'; the others keep theirs. None: every
     layer (recompute_method 'uniform', one layer at a time). With 'auto' the planner sets it."""
-    activation_offload: str = "auto"
+    activation_offload: Literal[ActivationOffload, "auto"] = "auto"
     """Activation offload with recompute: 'checkpoints' moves the inputs that recompute keeps of each
     recomputed layer (what Megatron's checkpointing saves for its backward, 2*s*b*h bytes a layer, 1/TP
     with sequence parallelism) to pinned host memory during forward and brings each back for its
@@ -132,7 +186,7 @@ class ModelConfig:
     planner's choice at launch, on where it is what fits or is faster (on CPU: none). On CPU, where
     recompute is not available, 'checkpoints' runs the same hooks over every tensor the forward saves
     (a copy in host memory, where it already was), so that the path is exercised there."""
-    transformer_impl: str = "auto"
+    transformer_impl: Literal["auto", TransformerImpl] = "auto"
     """'local' (Megatron's local layers with angelgpt's scaled_dot_product_attention core attention: the
     tested path, on CPU and GPU), 'transformer_engine' (Megatron's transformer-engine spec; GPU only,
     needs `pip install angelgpt[te]`; an explicit opt-in that has not been run by angelgpt's tests) or
@@ -156,11 +210,6 @@ class ModelConfig:
         _require(self.num_query_groups > 0 and self.num_attention_heads % self.num_query_groups == 0,
                  f"model.num_query_groups ({self.num_query_groups}) must be > 0 and divide "
                  f"model.num_attention_heads ({self.num_attention_heads})")
-        _require(self.position_embedding_type in ("learned_absolute", "rope"),
-                 f"model.position_embedding_type must be 'learned_absolute' or 'rope', got "
-                 f"'{self.position_embedding_type}'")
-        _require(self.normalization in ("LayerNorm", "RMSNorm"),
-                 f"model.normalization must be 'LayerNorm' or 'RMSNorm', got '{self.normalization}'")
         _positive("model", norm_epsilon=self.norm_epsilon, rotary_base=self.rotary_base)
         _require(0.0 < self.rotary_percent <= 1.0,
                  f"model.rotary_percent must be in (0, 1], got {self.rotary_percent}")
@@ -168,33 +217,26 @@ class ModelConfig:
         _require(rotary_dim > 0 and rotary_dim % 2 == 0,
                  f"model.rotary_percent ({self.rotary_percent}) of model.kv_channels ({self.kv_channels}) "
                  f"must leave an even number of rotated channels > 0, got {rotary_dim}")
-        _require(self.recompute in ("none", "full", "auto"),
-                 f"model.recompute must be 'none', 'full' or 'auto', got '{self.recompute}'")
         if self.recompute_num_layers is not None:
             _require(self.recompute != "none",
                      "model.recompute_num_layers needs model.recompute 'full' (or 'auto'), got 'none'")
             _require(0 < self.recompute_num_layers <= self.num_layers,
                      f"model.recompute_num_layers must be in [1, num_layers={self.num_layers}], got "
                      f"{self.recompute_num_layers}")
-        _require(self.activation_offload in ("none", "checkpoints", "auto"),
-                 f"model.activation_offload must be 'none', 'checkpoints' or 'auto', got '{self.activation_offload}'")
-        _require(self.transformer_impl in ("auto", "local", "transformer_engine"),
-                 f"model.transformer_impl must be 'auto', 'local' or 'transformer_engine', got "
-                 f"'{self.transformer_impl}'")
         for key in ("hidden_dropout", "attention_dropout"):
             value = getattr(self, key)
             _require(0.0 <= value < 1.0, f"model.{key} must be in [0, 1), got {value}")
         _positive("model", init_method_std=self.init_method_std)
 
 
-@dataclass
+@_section
 class ParallelConfig:
     tensor_model_parallel_size: int = 1
     """Tensor-parallel size (Megatron TP): splits attention heads and the MLP across ranks."""
     pipeline_model_parallel_size: int = 1
     """Pipeline-parallel size (Megatron PP): splits layers into stages; Megatron's 1F1B schedule (on CPU
     under angelgpt.parallel.cpu_schedules)."""
-    distributed_timeout_minutes: float = 10.0
+    distributed_timeout_minutes: Float = 10.0
     """Minutes a collective waits for the other ranks before this rank gives up, names itself, the
     collective's phase of training and the backend's report, and exits (a hung or lost rank)."""
     sequence_parallel: bool = False
@@ -210,7 +252,7 @@ class ParallelConfig:
                  f"parallel.distributed_timeout_minutes must be > 0, got {self.distributed_timeout_minutes}")
 
 
-@dataclass
+@_section
 class OptimConfig:
     optimizer: str = "megatron"
     """'megatron' (Megatron's distributed optimizer), 'megatron_cpu_offload' (the same with Megatron's
@@ -221,27 +263,27 @@ class OptimConfig:
     """Modules imported (by the launcher and by every worker) before optimizer is looked up, each of
     which may register an optimizer (angelgpt.config.optimizers.register; torchtitan's custom_import);
     importable from the workers' directory or PYTHONPATH, e.g. ['tests.toy_optimizer']."""
-    offload_fraction: float = 1.0
+    offload_fraction: Float = 1.0
     """With 'megatron_cpu_offload': fraction of the optimizer states Megatron offloads to the CPU."""
-    lr: float = 3.0e-4
+    lr: Float = 3.0e-4
     """Peak learning rate."""
-    min_lr: float = 3.0e-5
+    min_lr: Float = 3.0e-5
     """Learning rate at the end of the decay."""
     lr_warmup_iters: int = 0
     """Iterations of linear warmup from 0 to lr."""
-    lr_decay_style: str = "cosine"
+    lr_decay_style: Literal["cosine", "linear", "constant"] = "cosine"
     """'cosine', 'linear' or 'constant' decay after warmup."""
     lr_decay_iters: Optional[int] = None
     """Iterations over which lr decays to min_lr; None means train.train_iters."""
-    weight_decay: float = 0.1
+    weight_decay: Float = 0.1
     """Decoupled (AdamW) weight decay; biases and norm weights get none."""
-    adam_beta1: float = 0.9
+    adam_beta1: Float = 0.9
     """Adam beta1."""
-    adam_beta2: float = 0.95
+    adam_beta2: Float = 0.95
     """Adam beta2."""
-    adam_eps: float = 1.0e-8
+    adam_eps: Float = 1.0e-8
     """Adam epsilon."""
-    clip_grad: float = 1.0
+    clip_grad: Float = 1.0
     """Clip the global gradient norm (over all ranks) to this; 0 disables clipping."""
     accumulate_grads_in_fp32: bool = True
     """Add up the micro batches' gradients of a step in fp32 (Megatron's
@@ -253,7 +295,7 @@ class OptimConfig:
     DP is fp32 either way). false: gradients add up in the model's dtype (bf16 on GPU): half the
     gradient bytes, but the rounding error grows with the number of micro batches. On CPU the model is
     fp32 and both are the same."""
-    store_param_remainders: Union[bool, str] = "auto"
+    store_param_remainders: Union[bool, Auto] = "auto"
     """ZeRO-Cache keeps each fp32 master weight as the bf16 weight plus a 16-bit remainder (Megatron's
     and Transformer Engine's name): the exact fp32 master in 4 bytes instead of 6, 2 bytes a parameter
     less. The weight is the master rounded to nearest with ties away from zero (a 16-bit remainder
@@ -261,12 +303,12 @@ class OptimConfig:
     exact ties only; the master is the same. Only for a bf16 model (a GPU run); Megatron's optimizers
     refuse it. 'auto' (the default, as Megatron's): on for ZeRO-Cache on a GPU, off otherwise (Megatron's
     optimizers; a CPU run's fp32 model, whose weight is its master); false keeps a separate fp32 master."""
-    exp_avg_dtype: str = "fp32"
+    exp_avg_dtype: MomentDtype = "fp32"
     """dtype ZeRO-Cache keeps Adam's first moment in (Megatron's exp_avg_dtype): 'fp32'; 'bf16' (2 bytes
     a parameter less; rounded to nearest on every write); or 'fp8' (3 bytes less: E4M3 with an fp32
     power-of-two scale per block of 256, rounded stochastically on every write). The update itself runs
     in fp32."""
-    exp_avg_sq_dtype: str = "fp32"
+    exp_avg_sq_dtype: MomentDtype = "fp32"
     """dtype ZeRO-Cache keeps Adam's second moment in (Megatron's exp_avg_sq_dtype): 'fp32'; 'bf16'
     (with adam_beta2 <= 0.99 only: a bf16 moment cannot take a smaller decay a step); or 'fp8' (its
     square root in E4M3 with a scale per block of 256, rounded stochastically, so any beta2)."""
@@ -274,16 +316,11 @@ class OptimConfig:
     def __post_init__(self):
         optimizers.import_custom(self.custom_import)
         spec = optimizers.get(self.optimizer)
-        for key in ("exp_avg_dtype", "exp_avg_sq_dtype"):
-            _require(getattr(self, key) in MOMENT_DTYPES,
-                     f"optim.{key} must be one of {', '.join(MOMENT_DTYPES)}, got '{getattr(self, key)}'")
         # a bf16 value moves only by more than half its step (2**-9 of it): with beta2 near 1 the second
         # moment's decay (1 - beta2 of it a step) would round away and the moment would stop shrinking
         _require(self.exp_avg_sq_dtype != "bf16" or self.adam_beta2 <= BF16_EXP_AVG_SQ_MAX_BETA2,
                  f"optim.exp_avg_sq_dtype 'bf16' needs optim.adam_beta2 <= {BF16_EXP_AVG_SQ_MAX_BETA2} (a bf16 "
                  f"moment cannot take the smaller decay of beta2 {self.adam_beta2}: it rounds away); use 'fp32'")
-        _require(self.store_param_remainders in (True, False, "auto"),
-                 f"optim.store_param_remainders must be true, false or 'auto', got '{self.store_param_remainders}'")
         compact = [k for k, v in (("store_param_remainders", self.store_param_remainders is True),
                                   ("exp_avg_dtype", self.exp_avg_dtype != "fp32"),
                                   ("exp_avg_sq_dtype", self.exp_avg_sq_dtype != "fp32")) if v]
@@ -294,8 +331,6 @@ class OptimConfig:
                  f"got optimizer '{self.optimizer}'")
         _require(0.0 <= self.offload_fraction <= 1.0,
                  f"optim.offload_fraction must be in [0, 1], got {self.offload_fraction}")
-        _require(self.lr_decay_style in ("cosine", "linear", "constant"),
-                 f"optim.lr_decay_style must be 'cosine', 'linear' or 'constant', got '{self.lr_decay_style}'")
         _positive("optim", lr=self.lr, adam_eps=self.adam_eps)
         _require(0.0 <= self.min_lr <= self.lr, f"optim.min_lr must be in [0, lr={self.lr}], got {self.min_lr}")
         _require(self.lr_warmup_iters >= 0, f"optim.lr_warmup_iters must be >= 0, got {self.lr_warmup_iters}")
@@ -313,31 +348,31 @@ class OptimConfig:
         return optimizers.get(self.optimizer)
 
 
-@dataclass
+@_section
 class ZeroCacheConfig:
     pipeline_optimizer: bool = True
     """Pipeline the optimizer update with gradient offload and parameter upload."""
-    prefetch_cache_sub_group_rate: Union[float, str] = 0.0
+    prefetch_cache_sub_group_rate: Union[Float, Auto] = 0.0
     """Fraction of model states kept on GPU (0.0 to 1.0), or 'auto' to take the planner's choice."""
-    offload_params: Union[bool, str] = "auto"
+    offload_params: Union[bool, Auto] = "auto"
     """Keep the model-dtype weights of layers whose states are off the GPU in pinned host memory and
     fetch each layer just before it runs, releasing it after (ZeRO-3 parameter offload, prefetching the
     next layer); 'auto' turns it on with full activation recompute, which is when it saves GPU memory;
     when several micro batches accumulate in the store (each would fetch the weights again), only if the
     planner finds the weights do not fit on the GPU."""
-    accumulate_in_store: Union[bool, str] = "auto"
+    accumulate_in_store: Union[bool, Auto] = "auto"
     """Reduce every micro batch's gradients to their owner and add them up in the store's gradient
     buffers (device or pinned host), so the GPU holds only the gradients in flight rather than every
     gradient until the last micro batch; after the first micro batch a host chunk's running sum makes a
     round trip over PCIe (up to a device slot, add, back down) per micro batch. 'auto': on a GPU, the
     planner's choice (the faster of the two that fit); on CPU, off."""
-    device_update_fraction: Union[float, str] = "auto"
+    device_update_fraction: Union[Float, Auto] = "auto"
     """Fraction (0.0 to 1.0) of the host-resident states that the GPU updates instead of the CPU: their
     fp32 states and gradients stream up, fused AdamW runs on the device, the new weights go straight
     into the model and the states stream back, while the CPU updates the rest at the same time.
     'auto' splits by the rates of the two paths (PCIe against the CPU update) so both finish
     together; 0.0 leaves every host update to the CPU. Pins those states in host memory."""
-    cpu_adam: str = "auto"
+    cpu_adam: Literal["auto", CpuAdam] = "auto"
     """AdamW of the states the CPU updates: 'native' builds (once per machine, with the system C compiler,
     cached under ~/.cache/angelgpt or $ANGELGPT_CACHE) a kernel that reads the model-dtype gradient,
     updates the fp32 states and writes the model-dtype weights in one pass over memory; 'torch' converts
@@ -357,22 +392,16 @@ class ZeroCacheConfig:
     """Gradient reduce-scatters in flight at once (0 or 1 recommended)."""
     is_communication_time_profiling: bool = False
     """Print per-iteration time in all-gather, reduce-scatter, H2D, D2H, NVMe I/O and optimizer."""
-    host_max_gib: Optional[float] = None
+    host_max_gib: Optional[Float] = None
     """Most GiB of host memory the store may take per rank; None means most of MemAvailable."""
     nvme_path: Optional[str] = None
     """Directory for the NVMe tier; None turns the tier off."""
-    nvme_max_gib: Optional[float] = None
+    nvme_max_gib: Optional[Float] = None
     """Most GiB the NVMe tier may use; None means what the disk has free."""
 
     def __post_init__(self):
-        _fraction_or_auto("zero_cache.prefetch_cache_sub_group_rate", self.prefetch_cache_sub_group_rate)
-        _fraction_or_auto("zero_cache.device_update_fraction", self.device_update_fraction)
-        _require(self.accumulate_in_store in (True, False, "auto"),
-                 f"zero_cache.accumulate_in_store must be true, false or 'auto', got '{self.accumulate_in_store}'")
-        _require(self.cpu_adam in ("auto", "native", "torch"),
-                 f"zero_cache.cpu_adam must be 'auto', 'native' or 'torch', got '{self.cpu_adam}'")
-        _require(self.offload_params in (True, False, "auto"),
-                 f"zero_cache.offload_params must be true, false or 'auto', got '{self.offload_params}'")
+        _fraction("zero_cache.prefetch_cache_sub_group_rate", self.prefetch_cache_sub_group_rate)
+        _fraction("zero_cache.device_update_fraction", self.device_update_fraction)
         _require(self.max_contigous_params_size == -1 or self.max_contigous_params_size > 0,
                  f"zero_cache.max_contigous_params_size must be -1 or > 0, got {self.max_contigous_params_size}")
         _positive("zero_cache", prefetch_bucket_size=self.prefetch_bucket_size)
@@ -386,9 +415,9 @@ class ZeroCacheConfig:
                  f"zero_cache.nvme_max_gib must be > 0, got {self.nvme_max_gib}")
 
 
-@dataclass
+@_section
 class DataConfig:
-    paths: Union[str, List[Union[str, float]]] = "mock"
+    paths: Union[str, List[Union[str, Float]]] = "mock"
     """'mock' (Megatron's mock dataset), one dataset prefix, or a blend [weight, prefix, weight, prefix, ...]."""
     split: str = "949,50,1"
     """Train, valid, test proportions of each dataset."""
@@ -426,7 +455,7 @@ class DataConfig:
         _require(self.tokenizer is not None, "data.tokenizer must be set when data.paths names real data")
 
 
-@dataclass
+@_section
 class CheckpointConfig:
     save: Optional[str] = None
     """Directory to save checkpoints into; None saves nothing."""
@@ -468,7 +497,7 @@ class CheckpointConfig:
     gathered copy; that checkpoint resumes at another data-parallel size only (a resume at another TP
     or PP is refused in one line naming this option). A checkpoint records its format: a load follows
     it, whatever this says. Other optimizers' checkpoints reshard at any layout regardless."""
-    stop_grace_s: float = 900.0
+    stop_grace_s: Float = 900.0
     """Seconds a stop request (SIGTERM, SIGINT or SIGUSR1 to the launcher, its workers or both) gives
     the save it starts: the same request arriving again within this time (a scheduler signalling every
     process of the job, a second Ctrl-C) changes nothing; one arriving later, or SIGKILL, ends the job
@@ -480,7 +509,7 @@ class CheckpointConfig:
         _require(self.keep is None or self.keep > 0, f"checkpoint.keep must be > 0, got {self.keep}")
 
 
-@dataclass
+@_section
 class LoggingConfig:
     log_interval: int = 1
     """Print a log line every N iterations."""
@@ -492,7 +521,7 @@ class LoggingConfig:
     """Weights & Biases project that receives the same records as TensorBoard (and the resolved config
     as the run's config), from the rank that writes the log; None: no W&B. Needs `pip install
     angelgpt[wandb]`."""
-    wandb_mode: Optional[str] = None
+    wandb_mode: Optional[Literal["online", "offline", "disabled"]] = None
     """'online', 'offline' (a run directory under wandb_dir, for `wandb sync` later) or 'disabled';
     None: wandb's own choice (WANDB_MODE when set, else online, which needs `wandb login`)."""
     wandb_dir: Optional[str] = None
@@ -513,8 +542,6 @@ class LoggingConfig:
 
     def __post_init__(self):
         _positive("logging", log_interval=self.log_interval)
-        _require(self.wandb_mode in (None, "online", "offline", "disabled"),
-                 f"logging.wandb_mode must be 'online', 'offline', 'disabled' or null, got '{self.wandb_mode}'")
         if self.wandb_project is not None:
             _require(bool(str(self.wandb_project).strip()), "logging.wandb_project must not be empty")
             _require(_importable("wandb"), "logging.wandb_project is set but wandb is not installed: "
@@ -523,7 +550,7 @@ class LoggingConfig:
             self.profile_steps = _start_end("logging.profile_steps", self.profile_steps)
 
 
-@dataclass
+@_section
 class TrainConfig:
     micro_batch_size: int = 2
     """Sequences per micro batch per data-parallel rank."""
@@ -533,7 +560,7 @@ class TrainConfig:
     """Optimizer steps to train."""
     exit_interval: Optional[int] = None
     """Stop (saving first when checkpoint.save is set) once the iteration is a multiple of this."""
-    exit_duration_mins: Optional[float] = None
+    exit_duration_mins: Optional[Float] = None
     """Wall-clock limit of the job in minutes, counted from the launcher's start (Megatron's
     --exit-duration-in-mins): at the last iteration boundary that leaves time for one more iteration
     and a save, half again for safety and at least 2 s (the last save's measured duration; before any
@@ -546,7 +573,7 @@ class TrainConfig:
     """Global batches per validation."""
     seed: int = 1234
     """Seed for initialisation and data order."""
-    device: str = "auto"
+    device: Literal["auto", Device] = "auto"
     """'auto' (cuda when available), 'cpu' (fp32, gloo) or 'cuda' (bf16, NCCL)."""
 
     def __post_init__(self):
@@ -559,8 +586,6 @@ class TrainConfig:
         _positive("train", max_consecutive_skips=self.max_consecutive_skips)
         _require(self.eval_interval is None or self.eval_interval > 0,
                  f"train.eval_interval must be > 0, got {self.eval_interval}")
-        _require(self.device in ("auto", "cpu", "cuda"),
-                 f"train.device must be 'auto', 'cpu' or 'cuda', got '{self.device}'")
         _require(self.global_batch_size % self.micro_batch_size == 0,
                  f"train.micro_batch_size ({self.micro_batch_size}) must divide train.global_batch_size "
                  f"({self.global_batch_size})")
@@ -578,7 +603,7 @@ SECTIONS = {
 }
 
 
-@dataclass
+@_section
 class Config:
     name: str = "custom"
     """Preset the configuration started from."""
@@ -653,3 +678,49 @@ class Config:
     def padded_vocab_size(self) -> int:
         multiple = self.model.make_vocab_size_divisible_by * self.parallel.tensor_model_parallel_size
         return -(-self.model.vocab_size // multiple) * multiple
+
+
+# A resolved config: the sections whose settings may be 'auto', each such field narrowed to its values.
+@_section
+class ResolvedModelConfig(ModelConfig):
+    recompute: Recompute
+    activation_offload: ActivationOffload
+    transformer_impl: TransformerImpl
+
+
+@_section
+class ResolvedOptimConfig(OptimConfig):
+    store_param_remainders: bool
+
+
+@_section
+class ResolvedZeroCacheConfig(ZeroCacheConfig):
+    prefetch_cache_sub_group_rate: Float
+    offload_params: bool
+    accumulate_in_store: bool
+    device_update_fraction: Float
+    cpu_adam: CpuAdam
+
+
+@_section
+class ResolvedTrainConfig(TrainConfig):
+    device: Device
+
+
+@dataclass(config=_CHECKED, kw_only=True)  # its sections have no defaults
+class ResolvedConfig(Config):
+    """A Config with every setting a value, none 'auto': what the planner's resolve_config returns, the
+    run config the launcher writes and the workers build from. Construction refuses an 'auto' (pydantic's
+    ValidationError naming the field)."""
+    model: ResolvedModelConfig
+    optim: ResolvedOptimConfig
+    zero_cache: ResolvedZeroCacheConfig
+    train: ResolvedTrainConfig
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> ResolvedConfig:
+        """cfg's values as a ResolvedConfig."""
+        types = typing.get_type_hints(cls)
+        return cls(name=cfg.name, **{name: types[name](**{f.name: getattr(getattr(cfg, name), f.name)
+                                                          for f in fields(getattr(cfg, name))})
+                                     for name in SECTIONS})

@@ -4,10 +4,10 @@ optimizer: the worker's call, `build(model, cfg, on_gpu, *, deferred, beside_sto
 
 from __future__ import annotations
 
-from angelgpt.config import Config
+from angelgpt.config import ResolvedConfig
 
 
-def _megatron_ddp(model, cfg: Config):
+def _megatron_ddp(model, cfg: ResolvedConfig):
     """The model in Megatron's DistributedDataParallel, whose gradient buffer Megatron's optimizer steps
     from: optim.accumulate_grads_in_fp32 makes micro batches add up (and reduce) in an fp32 main_grad."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -20,7 +20,7 @@ def _megatron_ddp(model, cfg: Config):
     return model
 
 
-def build_megatron(model, cfg: Config, on_gpu: bool, *, deferred: bool = False, beside_store_bytes: int = 0,
+def build_megatron(model, cfg: ResolvedConfig, on_gpu: bool, *, deferred: bool = False, beside_store_bytes: int = 0,
                    rehearsal: bool = False):
     """Megatron's distributed optimizer on GPU; on CPU (where it allocates on CUDA) the same math in
     CPUDataParallelAdamW."""
@@ -34,7 +34,7 @@ def build_megatron(model, cfg: Config, on_gpu: bool, *, deferred: bool = False, 
     return model, build_megatron_optimizer(model, cfg, gloo_groups=not rehearsal)
 
 
-def build_megatron_cpu_offload(model, cfg: Config, on_gpu: bool, *, deferred: bool = False,
+def build_megatron_cpu_offload(model, cfg: ResolvedConfig, on_gpu: bool, *, deferred: bool = False,
                                beside_store_bytes: int = 0, rehearsal: bool = False):
     """Megatron's distributed optimizer with its CPU offload (HybridDeviceOptimizer; GPU only)."""
     from angelgpt.optimizer.megatron import build_megatron_optimizer
@@ -43,7 +43,7 @@ def build_megatron_cpu_offload(model, cfg: Config, on_gpu: bool, *, deferred: bo
     return model, build_megatron_optimizer(model, cfg, gloo_groups=not rehearsal, cpu_offload=True)
 
 
-def build_zero_cache(model, cfg: Config, on_gpu: bool, *, deferred: bool = False, beside_store_bytes: int = 0,
+def build_zero_cache(model, cfg: ResolvedConfig, on_gpu: bool, *, deferred: bool = False, beside_store_bytes: int = 0,
                      rehearsal: bool = False):
     """ZeRO-Cache's optimizer over the model as it is (no DDP: it reduces the gradients itself); a
     deferred model's layers are made real as its store places them."""

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from angelgpt.config import Config
+from angelgpt.config import ResolvedConfig
 from angelgpt.optimizer.base import Optimizer, clip_coefficient, no_weight_decay
 from angelgpt.parallel.embedding import sync_tied_embedding_grads
 from angelgpt.parallel.sequence import allreduce_sequence_parallel_grads
@@ -51,7 +51,7 @@ class CPUDataParallelAdamW(Optimizer):
     """Megatron's distributed optimizer's math on CPU: tied embedding gradients summed over the first and
     last pipeline stage, DP-averaged gradients, global-norm clipping, torch's AdamW on fp32 weights."""
 
-    def __init__(self, model: torch.nn.Module, cfg: Config):
+    def __init__(self, model: torch.nn.Module, cfg: ResolvedConfig):
         o = cfg.optim
         self.model = model
         self.clip_grad = o.clip_grad

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from angelgpt.config import Config
+from angelgpt.config import ResolvedConfig
 from angelgpt.optimizer.base import Optimizer
 
 
@@ -217,7 +217,7 @@ DP_RESHARDABLE, FULLY_RESHARDABLE = "dp_reshardable", "fully_reshardable"
 CHECKPOINT_METADATA = {"distrib_optim_sharding_type": DP_RESHARDABLE, "chained_optim_avoid_prefix": True}
 
 
-def build_megatron_optimizer(model, cfg: Config, gloo_groups: bool = True,
+def build_megatron_optimizer(model, cfg: ResolvedConfig, gloo_groups: bool = True,
                              cpu_offload: bool = False) -> MegatronDistributedOptimizer:
     """Megatron's distributed optimizer over a Megatron DDP-wrapped model (GPU), with its CPU offload
     (HybridDeviceOptimizer, optim.offload_fraction of the states) where `cpu_offload`; `gloo_groups` off

@@ -26,9 +26,9 @@ One iteration, pipelined (``pipeline_optimizer: true``):
    stream wait on its event), then all-gathers the owners' weights over DP; later sub-groups are
    still being updated while the first layers compute.
 
-This module is the front: it checks that the config is resolved, builds the parts in order, each
-handed what it uses (the layout, its buffers, the DP group, config values and the parts it calls,
-built before it), and exposes the `angelgpt.optimizer.Optimizer` contract. In build order:
+This module is the front: from a resolved config it builds the parts in order, each handed what it
+uses (the layout, its buffers, the DP group, config values and the parts it calls, built before it),
+and exposes the `angelgpt.optimizer.Optimizer` contract. In build order:
 
 - ``layout.place_chunks``: the ``Layout``, fixed once built: ownership, sub-groups, chunks and
   their placement over the tiers (refused here if it does not fit);
@@ -55,7 +55,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from megatron.core import parallel_state
 
-from angelgpt.config import Config, ConfigError
+from angelgpt.config import ConfigError, ResolvedConfig
 from angelgpt.optimizer.base import Optimizer
 from angelgpt.parallel.embedding import tied_embedding_weight
 from angelgpt.zero_cache.adamw import AdamW
@@ -71,34 +71,19 @@ from angelgpt.zero_cache.tiers import refuse_together
 from angelgpt.zero_cache.update import Update
 from angelgpt.zero_cache.weights import Weights, fetch_depth
 
-# the settings a config may leave 'auto' until the planner's resolve_config makes them concrete (this
-# package imports nothing of the planner: the worker resolves, then builds)
-RESOLVED_FIELDS = ("zero_cache.prefetch_cache_sub_group_rate", "zero_cache.offload_params",
-                   "zero_cache.device_update_fraction", "zero_cache.accumulate_in_store", "zero_cache.cpu_adam",
-                   "model.recompute", "optim.store_param_remainders")
-
-
-def require_resolved(cfg: Config) -> None:
-    """Refuses a config in which any of RESOLVED_FIELDS is still 'auto' (ValueError naming it)."""
-    for name in RESOLVED_FIELDS:
-        section, key = name.split(".")
-        if getattr(getattr(cfg, section), key) == "auto":
-            raise ValueError(f"{name} is 'auto': it must be resolved before building "
-                             "(resolve_config of angelgpt's planner)")
-
 
 class ZeroCacheOptimizer(Optimizer):
     per_layer_checkpoint_keys = True  # states are per parameter of a layer
 
-    def __init__(self, model: torch.nn.Module, cfg: Config, device: torch.device, beside_store_bytes: int = 0,
-                 materialize: Optional[Callable[[List[torch.nn.Parameter]], None]] = None, rehearsal: bool = False):
-        """cfg must be resolved (no 'auto' in RESOLVED_FIELDS). beside_store_bytes: device memory
+    def __init__(self, model: torch.nn.Module, cfg: ResolvedConfig, device: torch.device,
+                 beside_store_bytes: int = 0, materialize: Optional[Callable[[List[torch.nn.Parameter]], None]] = None,
+                 rehearsal: bool = False):
+        """cfg: a resolved config (every 'auto' a value). beside_store_bytes: device memory
         training needs beside the store that the optimizer cannot count (activations and workspace);
         the capacity check leaves it free on CUDA. materialize(params): for a model whose layers were
         built on the meta device, makes one sub-group's parameters real (called a sub-group at a time
         while the store fills, so an offloaded layer leaves the device before the next one arrives).
         rehearsal: this rank is played alone under fake collectives (angelgpt.parallel.rehearsal)."""
-        require_resolved(cfg)
         zc, o = cfg.zero_cache, cfg.optim
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         group = parallel_state.get_data_parallel_group()

@@ -14,8 +14,8 @@ settled), resolve (every 'auto' made concrete), layout (a rank's parameters from
 from angelgpt.planner.machines import (GIB, MACHINES, Machine, describe, machine_from, read_this_machine,
                                        rehearsing_machine)
 from angelgpt.planner.plan import SystemPlan, auto_plan, beside_store_bytes, plan, plan_for
-from angelgpt.planner.resolve import resolve_config, resolved_line, unresolved
+from angelgpt.planner.resolve import resolve_config, resolved_line
 
 __all__ = ["GIB", "MACHINES", "Machine", "SystemPlan", "auto_plan", "beside_store_bytes", "describe",
            "machine_from", "plan", "plan_for", "read_this_machine", "rehearsing_machine", "resolve_config",
-           "resolved_line", "unresolved"]
+           "resolved_line"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Dict, Optional
 
-from angelgpt.config import Config
+from angelgpt.config import Config, ResolvedConfig
 from angelgpt.model.flops import recomputed_layers
 from angelgpt.planner.calibration import MODEL_BYTES, WORKSPACE
 
@@ -101,7 +101,7 @@ def grad_bytes(cfg: Config, dp: int, model_bytes: int = MODEL_BYTES) -> int:
     return 4 if cfg.optim.accumulate_grads_in_fp32 and cfg.num_microbatches(dp) > 1 else model_bytes
 
 
-def beside_store_bytes(cfg: Config, dp: int = 1, pp_rank: int = 0) -> int:
+def beside_store_bytes(cfg: ResolvedConfig, dp: int = 1, pp_rank: int = 0) -> int:
     """Device memory training needs beside ZeRO-Cache's store that the optimizer cannot count itself, on
     a rank of pipeline stage pp_rank with data-parallel size dp: the activations of the stage's micro
     batches in flight (micro_batches_in_flight; as configured: recompute resolved) and the workspace.

@@ -1,10 +1,10 @@
 """Resolution: a config whose 'auto' settings become concrete values for one machine, decided once.
 
 Owns `resolve_config` (the one place where every 'auto' of a config is settled: the launcher calls it
-with its reading of the machine and writes what it returns as the run config the workers build from),
-`resolved_line` (the line that says what was settled) and `unresolved` (the settings still 'auto'). The choices are the memory and time model's
-(planner.plan, searched by planner.search) for the machine given; the machine's figures are used as
-given (planner.machines).
+with its reading of the machine and writes the ResolvedConfig it returns as the run config the workers
+build from) and `resolved_line` (the line that says what was settled). The choices are the memory and
+time model's (planner.plan, searched by planner.search) for the machine given; the machine's figures
+are used as given (planner.machines).
 Torch-free: it looks for a C compiler without running it.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import fields, is_dataclass, replace
 from typing import List, Optional, Tuple
 
-from angelgpt.config import Config, ConfigError
+from angelgpt.config import Config, ConfigError, ResolvedConfig
 from angelgpt.planner.machines import Machine
 from angelgpt.planner.plan import plan_for
 from angelgpt.planner.systemplan import SystemPlan
@@ -29,12 +29,8 @@ def _transformer_impl(impl: str) -> str:
     return "local" if impl == "auto" else impl
 
 
-def _float(value):
-    return value if value == "auto" else float(value)
-
-
 def resolve_config(cfg: Config, machine: Machine, gpus_per_node: int, nodes: int,
-                   on_gpu: bool) -> Tuple[Config, Optional[SystemPlan]]:
+                   on_gpu: bool) -> Tuple[ResolvedConfig, Optional[SystemPlan]]:
     """The config with every 'auto' made a value for `machine` (gpus_per_node GPUs on each of `nodes`),
     and the plan of that resolved config (None on CPU). Values already concrete are kept, so resolving a
     resolved config returns it unchanged. What each 'auto' becomes:
@@ -101,17 +97,12 @@ def resolve_config(cfg: Config, machine: Machine, gpus_per_node: int, nodes: int
     rate, frac = zc.prefetch_cache_sub_group_rate, zc.device_update_fraction
     cfg = replace(cfg, zero_cache=replace(
         zc,
-        prefetch_cache_sub_group_rate=_float(1.0 if rate == "auto" else rate),
+        prefetch_cache_sub_group_rate=1.0 if rate == "auto" else rate,
         offload_params=offload_params_on(cfg),
-        device_update_fraction=_float(0.0 if frac == "auto" else frac),
+        device_update_fraction=0.0 if frac == "auto" else frac,
         accumulate_in_store=zc.accumulate_in_store is True))
-    return cfg, (plan_for(cfg, machine, gpus_per_node, nodes) if on_gpu else None)
-
-
-def unresolved(cfg: Config) -> List[str]:
-    """The settings of `cfg` still 'auto' ('section.key', in the config's order): none in a resolved one."""
-    return [f"{section.name}.{f.name}" for section in fields(cfg) if is_dataclass(getattr(cfg, section.name))
-            for f in fields(getattr(cfg, section.name)) if getattr(getattr(cfg, section.name), f.name) == "auto"]
+    resolved = ResolvedConfig.from_config(cfg)
+    return resolved, (plan_for(resolved, machine, gpus_per_node, nodes) if on_gpu else None)
 
 
 def _text(value) -> str:
@@ -121,7 +112,7 @@ def _text(value) -> str:
     return "null" if value is None else str(value)
 
 
-def resolved_line(before: Config, after: Config) -> str:
+def resolved_line(before: Config, after: ResolvedConfig) -> str:
     """'resolved: section.key=value, ...' for each setting that was 'auto' in `before` (with
     model.recompute, the recompute_num_layers chosen with it), in the config's order, then
     parallel.sequence_parallel when it was turned off (TP 1); '' when none was."""

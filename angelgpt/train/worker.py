@@ -12,6 +12,7 @@ import os
 import sys
 import warnings
 
+from angelgpt.config import ResolvedConfig
 from angelgpt.parallel.log import get_logger, setup_logging
 
 log = get_logger(__name__)
@@ -19,10 +20,10 @@ log = get_logger(__name__)
 RUN_CONFIG_FLAG = "--run-config"
 
 
-def read_run_config(argv):
+def read_run_config(argv) -> ResolvedConfig:
     """The worker's command line, `--run-config PATH`: the resolved config at PATH. Anything else on it,
     or a config still holding an 'auto', is refused (ConfigError, one line)."""
-    from angelgpt.config import ConfigError, parse
+    from angelgpt.config import ConfigError, load_run_config
 
     path = None
     if len(argv) == 2 and argv[0] == RUN_CONFIG_FLAG:
@@ -33,24 +34,12 @@ def read_run_config(argv):
         raise ConfigError(f"the worker takes {RUN_CONFIG_FLAG} PATH (the resolved run config `angelgpt train` "
                           f"writes; `angelgpt train --dry-run` writes one and prints its command), got "
                           f"{' '.join(argv) or 'nothing'}")
-    return check_resolved(parse(None, path), path)
+    return load_run_config(path)
 
 
-def check_resolved(cfg, source: str):
-    """`cfg` when no setting of it is 'auto'; else refused (ConfigError) naming them and `source`."""
-    from angelgpt.config import ConfigError
-    from angelgpt.planner import unresolved
-
-    left = unresolved(cfg)
-    if left:
-        raise ConfigError(f"{source} is not a resolved run config: {', '.join(left)} still 'auto' (`angelgpt "
-                          f"train` resolves every 'auto' and writes the run config its workers take)")
-    return cfg
-
-
-def build(cfg, on_gpu: bool, beside_store_bytes: int = 0, rehearsal: bool = False):
-    """Model, optimizer and scheduler for this rank, from a resolved config (no 'auto' left); `rehearsal`:
-    the rank is played alone under fake collectives (angelgpt.parallel.rehearsal)."""
+def build(cfg: ResolvedConfig, on_gpu: bool, beside_store_bytes: int = 0, rehearsal: bool = False):
+    """Model, optimizer and scheduler for this rank, from a resolved config; `rehearsal`: the rank is
+    played alone under fake collectives (angelgpt.parallel.rehearsal)."""
     from angelgpt.model.gpt import build_gpt
     from angelgpt.optimizer.schedule import build_scheduler
 
@@ -70,7 +59,7 @@ def build(cfg, on_gpu: bool, beside_store_bytes: int = 0, rehearsal: bool = Fals
     return model, optimizer, build_scheduler(optimizer, cfg)
 
 
-def follow_rank0(cfg):
+def follow_rank0(cfg: ResolvedConfig) -> ResolvedConfig:
     """Rank 0's config on every rank (what the others pass is replaced)."""
     import torch.distributed as dist
 
@@ -79,17 +68,17 @@ def follow_rank0(cfg):
     return choice[0]
 
 
-def run(cfg, sharing=None, control=None) -> float:
+def run(cfg: ResolvedConfig, sharing=None, control=None) -> float:
     return make_trainer(cfg, sharing=sharing, control=control).train()
 
 
-def make_trainer(cfg, rehearse=None, sharing=None, control=None):
-    """This rank's Trainer from a resolved config (no 'auto' left: refused otherwise), everything built
-    and resumed, ready to train(). `rehearse` (parallel.Rehearsal): play that rank of its world alone,
-    under the fake process group, which the caller has started (`with rehearse.started(...)`);
-    `sharing` (parallel.DeviceSharing): the node's ranks on one GPU, as that object arranges. `control`
-    (train.stop.RunControl): the stop requests and phase the worker shares with the loop (one with the
-    signal handlers installed when not given)."""
+def make_trainer(cfg: ResolvedConfig, rehearse=None, sharing=None, control=None):
+    """This rank's Trainer from a resolved config, everything built and resumed, ready to train().
+    `rehearse` (parallel.Rehearsal): play that rank of its world alone, under the fake process group,
+    which the caller has started (`with rehearse.started(...)`); `sharing` (parallel.DeviceSharing): the
+    node's ranks on one GPU, as that object arranges. `control` (train.stop.RunControl): the stop
+    requests and phase the worker shares with the loop (one with the signal handlers installed when not
+    given)."""
     import torch
     from megatron.core import parallel_state
 
@@ -101,7 +90,6 @@ def make_trainer(cfg, rehearse=None, sharing=None, control=None):
     from angelgpt.train.loop import Trainer
     from angelgpt.train.stop import RunControl
 
-    check_resolved(cfg, "the config")
     logging.getLogger("megatron.core.datasets").setLevel(logging.ERROR)  # index-cache chatter on stderr
     if control is None:  # before anything slow: a signal during set-up stops at the first boundary
         control = RunControl().install_signal_handlers()

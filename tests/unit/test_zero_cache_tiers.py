@@ -54,25 +54,3 @@ def test_chunks_a_killed_run_left_are_reclaimed_and_a_live_runs_are_kept(tmp_pat
         live.close()
     assert NVMeTier.reclaim(str(tmp_path)) == 0 and not live.dir.exists()
 
-
-CONCRETE = ["optim.optimizer=zero_cache", "zero_cache.prefetch_cache_sub_group_rate=0.5",
-            "zero_cache.offload_params=false", "zero_cache.device_update_fraction=0.0",
-            "zero_cache.accumulate_in_store=false", "zero_cache.cpu_adam=torch", "model.recompute=none",
-            "optim.store_param_remainders=false"]
-
-
-@pytest.mark.parametrize("field", ["zero_cache.prefetch_cache_sub_group_rate", "zero_cache.offload_params",
-                                   "zero_cache.device_update_fraction", "zero_cache.accumulate_in_store",
-                                   "zero_cache.cpu_adam", "model.recompute", "optim.store_param_remainders"])
-def test_an_unresolved_config_is_refused_naming_the_field(field):
-    """Every 'auto' must be made concrete (the planner's resolve_config) before the optimizer is built:
-    it takes the values as given and asks the planner nothing."""
-    from angelgpt.config import parse
-    from angelgpt.optimizer.zero_cache import RESOLVED_FIELDS, ZeroCacheOptimizer, require_resolved
-
-    assert field in RESOLVED_FIELDS
-    require_resolved(parse("tiny", overrides=CONCRETE))  # nothing left to resolve
-    cfg = parse("tiny", overrides=[*CONCRETE, f"{field}=auto"])
-    with pytest.raises(ValueError, match=rf"^{field.replace('.', '[.]')} is 'auto': it must be resolved before "
-                                         r"building \(resolve_config of angelgpt's planner\)$"):
-        ZeroCacheOptimizer(torch.nn.Linear(2, 2), cfg, torch.device("cpu"))
