@@ -43,13 +43,12 @@ def adamw_check(tmp_path, nproc, *overrides, env_extra=None):
     return adamw_checks(tmp_path, nproc, overrides, env_extra=env_extra)[0]
 
 
-# every pair of (DP, placement rate, NVMe) values meets in one case: 6 runs cover what 12 would
+# every pair of (DP, placement rate, NVMe) values meets in one case: 6 cases cover what 12 would
 PAIRWISE = [(False, 0.0, 1), (True, 0.0, 2), (True, 0.5, 1), (False, 0.5, 2), (True, 1.0, 1), (False, 1.0, 2)]
 
 
-@pytest.mark.parametrize("nvme, rate, dp", PAIRWISE,
-                         ids=[f"{'nvme' if n else 'no-nvme'}-{r}-{d}" for n, r, d in PAIRWISE])
-def test_update_equals_torch_adamw(tmp_path, dp, rate, nvme):
+def pairwise_overrides(nvme_path, nvme, rate, dp):
+    """(overrides, device_update_fraction) of a PAIRWISE case."""
     overrides = [f"zero_cache.prefetch_cache_sub_group_rate={rate}"]
     fraction = 0.0
     if nvme:  # host memory too small for all states: what is not on the device spills to NVMe, and half
@@ -57,9 +56,34 @@ def test_update_equals_torch_adamw(tmp_path, dp, rate, nvme):
         # room for gradients, scratch and staging and some states, not every state (a rank owns half at DP=2)
         host_gib = {(1, 0.0): 0.0018, (2, 0.0): 0.0014, (1, 0.5): 0.0015, (2, 0.5): 0.0010}.get((dp, rate), 0.0015)
         fraction = 0.5
-        overrides += [f"zero_cache.nvme_path={tmp_path / 'nvme'}", f"zero_cache.host_max_gib={host_gib}",
+        overrides += [f"zero_cache.nvme_path={nvme_path}", f"zero_cache.host_max_gib={host_gib}",
                       f"zero_cache.device_update_fraction={fraction}"]
-    ranks = adamw_check(tmp_path, dp, *overrides)
+    return overrides, fraction
+
+
+@pytest.fixture(scope="module")
+def pairwise_run(tmp_path_factory):
+    """case -> (overrides, fraction, the check's ranks) of a PAIRWISE case; the cases of one DP size share
+    a launch, made when the first of them asks."""
+    runs = {}
+
+    def run(case):
+        if case not in runs:
+            dp = case[2]
+            cases = [c for c in PAIRWISE if c[2] == dp]
+            tmp = tmp_path_factory.mktemp(f"pairwise-dp{dp}")
+            settings = [pairwise_overrides(tmp / f"nvme-{i}", *c) for i, c in enumerate(cases)]
+            results = adamw_checks(tmp, dp, *(overrides for overrides, _ in settings))
+            runs.update({c: (*setting, ranks) for c, setting, ranks in zip(cases, settings, results)})
+        return runs[case]
+
+    return run
+
+
+@pytest.mark.parametrize("nvme, rate, dp", PAIRWISE,
+                         ids=[f"{'nvme' if n else 'no-nvme'}-{r}-{d}" for n, r, d in PAIRWISE])
+def test_update_equals_torch_adamw(pairwise_run, dp, rate, nvme):
+    overrides, fraction, ranks = pairwise_run((nvme, rate, dp))
     assert len(ranks) == dp
     for r in ranks:
         assert r["first_update_max_rel_err"] < 1e-6, r
