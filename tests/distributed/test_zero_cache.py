@@ -28,7 +28,7 @@ def adamw_checks(tmp_path, nproc, *variants, env_extra=None):
     """The check's per-rank results for each list of overrides in `variants`, all from one torchrun launch."""
     out = tmp_path / "result.json"
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **(env_extra or {}))
-    args = [arg for i, overrides in enumerate(variants) for arg in (["--next"] if i else []) + list(map(str, overrides))]
+    args = [str(arg) for i, overrides in enumerate(variants) for arg in [*(["--next"] if i else []), *overrides]]
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                            str(nproc), str(CHECK), str(out), *args],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -62,28 +62,29 @@ def pairwise_overrides(nvme_path, nvme, rate, dp):
 
 
 @pytest.fixture(scope="module")
-def pairwise_run(tmp_path_factory):
-    """case -> (overrides, fraction, the check's ranks) of a PAIRWISE case; the cases of one DP size share
-    a launch, made when the first of them asks."""
-    runs = {}
+def shared_check(tmp_path_factory):
+    """run(nproc, variants, index, env_extra) -> the check's ranks for variants[index]; every set of
+    overrides in `variants` runs in one launch, made by the first test to ask (tests that share it pass
+    equal arguments but the index). Each set builds its own model and optimizer in that launch."""
+    launches = {}
 
-    def run(case):
-        if case not in runs:
-            dp = case[2]
-            cases = [c for c in PAIRWISE if c[2] == dp]
-            tmp = tmp_path_factory.mktemp(f"pairwise-dp{dp}")
-            settings = [pairwise_overrides(tmp / f"nvme-{i}", *c) for i, c in enumerate(cases)]
-            results = adamw_checks(tmp, dp, *(overrides for overrides, _ in settings))
-            runs.update({c: (*setting, ranks) for c, setting, ranks in zip(cases, settings, results)})
-        return runs[case]
+    def run(nproc, variants, index, env_extra=None):
+        key = (nproc, tuple(tuple(map(str, v)) for v in variants), tuple(sorted((env_extra or {}).items())))
+        if key not in launches:
+            launches[key] = adamw_checks(tmp_path_factory.mktemp("check"), nproc, *variants, env_extra=env_extra)
+        return launches[key][index]
 
     return run
 
 
 @pytest.mark.parametrize("nvme, rate, dp", PAIRWISE,
                          ids=[f"{'nvme' if n else 'no-nvme'}-{r}-{d}" for n, r, d in PAIRWISE])
-def test_update_equals_torch_adamw(pairwise_run, dp, rate, nvme):
-    overrides, fraction, ranks = pairwise_run((nvme, rate, dp))
+def test_update_equals_torch_adamw(shared_check, tmp_path_factory, dp, rate, nvme):
+    cases = [c for c in PAIRWISE if c[2] == dp]  # the cases of one DP size share a launch
+    settings = [pairwise_overrides(tmp_path_factory.getbasetemp() / f"nvme-{n}-{r}-{d}", n, r, d) for n, r, d in cases]
+    index = cases.index((nvme, rate, dp))
+    overrides, fraction = settings[index]
+    ranks = shared_check(dp, [o for o, _ in settings], index)
     assert len(ranks) == dp
     for r in ranks:
         assert r["first_update_max_rel_err"] < 1e-6, r
@@ -154,15 +155,17 @@ def test_accumulating_in_the_store_equals_torch_adamw(tmp_path, dp):
 
 
 @pytest.mark.parametrize("fraction", [0.5, 1.0])
-def test_host_chunks_updated_on_the_device_equal_torch_adamw(tmp_path, monkeypatch, fraction):
+def test_host_chunks_updated_on_the_device_equal_torch_adamw(shared_check, monkeypatch, fraction):
     """device_update_fraction: that share of the host chunks streams through the device's two update
     buffers (slices of 1024 elements, so a chunk takes several trips and slices cut through
     parameters) while the CPU updates the rest; with gradients accumulated in the store over DP=2,
     the updates still equal torch AdamW, and the planner predicts the bytes (update buffers included)."""
-    overrides = ["zero_cache.prefetch_cache_sub_group_rate=0.3", "zero_cache.offload_params=false",
-                 f"zero_cache.device_update_fraction={fraction}", "zero_cache.accumulate_in_store=true"]
-    ranks = adamw_check(tmp_path, 2, *overrides,
-                        env_extra={"ANGELGPT_ZERO_CACHE_SLICE": "1024", "ANGELGPT_CHECK_MICROBATCHES": "2"})
+    variants = [["zero_cache.prefetch_cache_sub_group_rate=0.3", "zero_cache.offload_params=false",
+                 f"zero_cache.device_update_fraction={f}", "zero_cache.accumulate_in_store=true"] for f in (0.5, 1.0)]
+    index = (0.5, 1.0).index(fraction)  # both fractions share a launch
+    overrides = variants[index]
+    ranks = shared_check(2, variants, index,
+                         env_extra={"ANGELGPT_ZERO_CACHE_SLICE": "1024", "ANGELGPT_CHECK_MICROBATCHES": "2"})
     cfg = parse("tiny", overrides=["optim.optimizer=zero_cache", "train.micro_batch_size=2",
                                      "train.global_batch_size=8", *overrides])
     for r in ranks:
@@ -203,19 +206,31 @@ def test_a_layer_split_between_device_and_host_equals_torch_adamw(tmp_path, monk
         assert r["allocated"][tier] == predicted[tier], (tier, r["allocated"], predicted)
 
 
-@pytest.mark.parametrize("dp, nvme, cpu_adam", [(1, False, "auto"), (2, False, "torch"), (1, True, "auto"),
-                                                 (2, True, "auto")])
-def test_offloaded_weights_update_equals_torch_adamw(tmp_path, dp, nvme, cpu_adam):
-    """offload_params: layers whose states are off the device keep their weights on the host, are
-    fetched before each forward and released after their backward; updates still equal torch AdamW,
-    with the one-pass CPU AdamW (writing the new weights over the gradient they came from) and with
-    torch's."""
+OFFLOADED = [(1, False, "auto"), (2, False, "torch"), (1, True, "auto"), (2, True, "auto")]
+
+
+def offloaded_overrides(nvme_path, dp, nvme, cpu_adam):
+    """The overrides of an OFFLOADED case."""
     overrides = ["zero_cache.prefetch_cache_sub_group_rate=0.0", "zero_cache.offload_params=true",
                  f"zero_cache.cpu_adam={cpu_adam}"]
     if nvme:
         host_gib = 0.0025 if dp == 1 else 0.0016  # some states on the host, the rest on NVMe
-        overrides += [f"zero_cache.nvme_path={tmp_path / 'nvme'}", f"zero_cache.host_max_gib={host_gib}"]
-    ranks = adamw_check(tmp_path, dp, *overrides)
+        overrides += [f"zero_cache.nvme_path={nvme_path}", f"zero_cache.host_max_gib={host_gib}"]
+    return overrides
+
+
+@pytest.mark.parametrize("dp, nvme, cpu_adam", OFFLOADED)
+def test_offloaded_weights_update_equals_torch_adamw(shared_check, tmp_path_factory, dp, nvme, cpu_adam):
+    """offload_params: layers whose states are off the device keep their weights on the host, are
+    fetched before each forward and released after their backward; updates still equal torch AdamW,
+    with the one-pass CPU AdamW (writing the new weights over the gradient they came from) and with
+    torch's."""
+    cases = [c for c in OFFLOADED if c[0] == dp]  # the cases of one DP size share a launch
+    variants = [offloaded_overrides(tmp_path_factory.getbasetemp() / f"offloaded-nvme-{d}", d, n, c)
+                for d, n, c in cases]
+    index = cases.index((dp, nvme, cpu_adam))
+    overrides = variants[index]
+    ranks = shared_check(dp, variants, index)
     cfg = parse("tiny", overrides=["optim.optimizer=zero_cache", *overrides])
     for r in ranks:
         assert r["cpu_adam"] == ("native" if cpu_adam == "auto" and shutil.which("cc") else "torch"), r
