@@ -120,17 +120,26 @@ def plan_step(cfg: Config, hw: Machine, gpus_per_node: int, nodes: int, rate: fl
     world, dp = world_and_dp(cfg, gpus_per_node, nodes)
     zc = cfg.zero_cache
     params = rank_params(cfg, pp_rank)
-    model_numel = sum(p.numel for p in params)
     in_flight = micro_batches_in_flight(cfg, dp, pp_rank)
     host_limit = hw.host_mem_gib * GIB / gpus_per_node - HOST_PROCESS - offloaded_activation_bytes(cfg, in_flight)
     if zc.host_max_gib is not None:
         host_limit = min(host_limit, zc.host_max_gib * GIB)
     fraction = device_update_fraction(cfg, hw, gpus_per_node, nodes)
-    remainders, states = states_per_element(cfg)
-    numels, tiers, tb, offloaded, streamed = rank_tier_bytes(cfg, dp, 0, float(rate), host_limit, use_nvme,
-                                                             pp_rank=pp_rank, fraction=fraction)
+    store = rank_tier_bytes(cfg, dp, 0, float(rate), host_limit, use_nvme, pp_rank=pp_rank, fraction=fraction)
+    gpu, host = _memory(cfg, dp, params, in_flight, store)
+    step, in_store = _step_times(cfg, hw, gpus_per_node, nodes, sum(p.numel for p in params), store)
+    tb, streamed = store[2], store[4]
+    return replace(finish("zero_cache", cfg, hw, gpus_per_node, world, gpu, host, tb.get("nvme", 0), step,
+                           float(rate), pp_rank), offload_params=offload_params_on(cfg), accumulate_in_store=in_store,
+                   device_update_fraction=fraction if any(streamed) else 0.0)
+
+
+def _memory(cfg: Config, dp: int, params, in_flight: int, store):
+    """(GPU bytes, host bytes) by use, of a rank holding `params` with `in_flight` micro batches' activations
+    and its store as rank_tier_bytes placed it (`store`, that function's result)."""
+    numels, tiers, tb, offloaded, streamed = store
+    model_numel = sum(p.numel for p in params)
     largest_layer = max(sub_group_numels(params).values())  # the largest sub-group, all of it (as the optimizer counts)
-    off_device = [n for n, t in zip(numels, tiers) if t != "device"]
     resident = model_numel - sum(offloaded) * dp
     # as the optimizer reserves them: gradients accumulated over micro batches (every parameter's), else
     # only those between backward and offload; offloaded layers' weights in use, prefetched, freeing
@@ -148,11 +157,22 @@ def plan_step(cfg: Config, hw: Machine, gpus_per_node: int, nodes: int, rate: fl
     uploads = [n for n, t in zip(numels, tiers) if t != "device"]
     for n in offloaded + [n for n, s in zip(numels, streamed) if s]:  # no upload buffer: fetched, or device-updated
         uploads.remove(n)
+    remainders, _ = states_per_element(cfg)
     host = {
         "host_states": tb["host"],
         "upload_buffers": upload_buffers(remainders) * min(max(uploads), SLICE) * MODEL_BYTES if uploads else 0,
         "process": HOST_PROCESS,
     }
+    return gpu, host
+
+
+def _step_times(cfg: Config, hw: Machine, gpus_per_node: int, nodes: int, model_numel: int, store):
+    """(seconds of a step by cause, as far as they are not hidden; whether micro batches accumulate in the
+    store) of a rank holding model_numel parameters, its store as rank_tier_bytes placed it (`store`)."""
+    numels, tiers, _, offloaded, streamed = store
+    world, dp = world_and_dp(cfg, gpus_per_node, nodes)
+    zc = cfg.zero_cache
+    g = grad_bytes(cfg, dp)
     mb = cfg.num_microbatches(dp)
     compute = compute_s(cfg, hw, world)
     fwd_first = compute / mb * forward_share(cfg)
@@ -163,13 +183,8 @@ def plan_step(cfg: Config, hw: Machine, gpus_per_node: int, nodes: int, rate: fl
     d2h = off_numel * g / (hw.pcie_gbs * 1e9)
     on_device = sum(n for n, s in zip(numels, streamed) if s)  # host chunks the GPU updates
     h2d = (off_numel - on_device) * MODEL_BYTES / (hw.pcie_gbs * 1e9)
-    cpu_alone, cpu_shared, device_rate = update_rates(cfg, hw, gpus_per_node, nodes)
-    beside = on_device / device_rate  # the device path's time, while the CPU runs at its shared rate
-    cpu_work = off_numel - on_device
-    cpu = cpu_work / cpu_shared if cpu_work <= cpu_shared * beside else beside + (
-        cpu_work - cpu_shared * beside) / cpu_alone
-    cpu = max(cpu, beside)
-    nvme_io = 2 * nvme_numel * states * gpus_per_node / (hw.nvme_gbs * 1e9)
+    cpu = _host_update_s(cfg, hw, gpus_per_node, nodes, off_numel - on_device, on_device)
+    nvme_io = 2 * nvme_numel * states_per_element(cfg)[1] * gpus_per_node / (hw.nvme_gbs * 1e9)
     network = 0.0
     if dp > 1:  # fp32 reduce-scatter in backward, bf16 all-gather before forward
         network = (dp - 1) / dp * model_numel * (4 + MODEL_BYTES) / (hw.net_gbps * 1e9)
@@ -186,6 +201,7 @@ def plan_step(cfg: Config, hw: Machine, gpus_per_node: int, nodes: int, rate: fl
         transfers += (mb - 1) * max(0.0, trip - IN_STORE_TRIP_HIDDEN * bwd_last)
     update = max(cpu, nvme_io)  # NVMe reads and writes are double buffered beside the CPU update
     exposed_update = max(0.0, update - fwd_first) if zc.pipeline_optimizer else update
+    off_device = sum(1 for t in tiers if t != "device")
     step = {
         "compute": compute,
         "pcie_d2h": max(0.0, d2h - bwd_last),
@@ -193,12 +209,20 @@ def plan_step(cfg: Config, hw: Machine, gpus_per_node: int, nodes: int, rate: fl
         "nvme_io": exposed_update if nvme_io > cpu else 0.0,
         "micro_batch_transfers": transfers,
         # pipelined, only the last chunk's upload waits; otherwise every upload does
-        "pcie_h2d": h2d / max(1, len(off_device)) if zc.pipeline_optimizer else h2d,
+        "pcie_h2d": h2d / max(1, off_device) if zc.pipeline_optimizer else h2d,
         "network": max(0.0, network - compute / 2),
     }
-    return replace(finish("zero_cache", cfg, hw, gpus_per_node, world, gpu, host, tb.get("nvme", 0), step,
-                           float(rate), pp_rank), offload_params=offload_params_on(cfg), accumulate_in_store=in_store,
-                   device_update_fraction=fraction if any(streamed) else 0.0)
+    return step, in_store
+
+
+def _host_update_s(cfg: Config, hw: Machine, gpus_per_node: int, nodes: int, cpu_work: int, on_device: int) -> float:
+    """Seconds of the host update: the device path updates on_device elements while the CPU, at its shared
+    rate, works through cpu_work; what the CPU has left then runs at its rate alone."""
+    cpu_alone, cpu_shared, device_rate = update_rates(cfg, hw, gpus_per_node, nodes)
+    beside = on_device / device_rate  # the device path's time, while the CPU runs at its shared rate
+    cpu = cpu_work / cpu_shared if cpu_work <= cpu_shared * beside else beside + (
+        cpu_work - cpu_shared * beside) / cpu_alone
+    return max(cpu, beside)
 
 
 def stream_held_bytes(cfg: Config, dp: int) -> int:

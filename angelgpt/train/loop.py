@@ -298,6 +298,55 @@ class Trainer:
                       else save_estimate_s(sum(p.numel() for p in self.model.parameters())))
         return max(RESERVE_MIN_S, RESERVE_FACTOR * (iteration_s + save_s))
 
+    def _step(self, it):
+        """One iteration's forward, backward and optimizer step; a non-finite loss on any rank leaves the
+        weights alone. Returns (mean loss, stepped, grad norm or nan)."""
+        self.control.phase = f"iteration {self.iteration + 1}: forward and backward"
+        self.optimizer.zero_grad()
+        started = self._clock()
+        stats = self._run(it, forward_only=False)
+        loss = _mean_loss(stats, self.device)
+        loss_ok = self.rehearsal or parallel.all_ranks(
+            math.isfinite(loss) or not parallel_state.is_pipeline_last_stage(), self.device)
+        backward_done = self._clock()
+        if loss_ok:
+            self.control.phase = f"iteration {self.iteration + 1}: optimizer step"
+            ok, grad_norm, _ = self.optimizer.step()
+        else:  # a non-finite loss: leave the weights alone
+            ok, grad_norm = False, float("nan")
+            self.optimizer.zero_grad()
+        grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
+        if self.rehearsal:
+            stepped = self._clock()
+            self.records.append({"iteration": self.iteration + 1, "forward_backward_s": backward_done - started,
+                                 "optimizer_step_s": stepped - backward_done, "loss": loss,
+                                 "grad_norm": grad_norm, "stepped": bool(ok),
+                                 "zero_cache_profile": self.optimizer.profile_record()})
+        return loss, ok, grad_norm
+
+    def _log(self, loss, val_loss, grad_norm, window_s, window_iters, flops, tokens_per_iter, world) -> None:
+        """The metrics line of the iteration just done; speeds are the mean over the window's iterations."""
+        if self.on_gpu:
+            torch.cuda.synchronize()
+        elapsed = (time.perf_counter() - window_s) / window_iters
+        self.writer.log({
+            "iteration": self.iteration,
+            "lm_loss": loss,
+            "val_loss": val_loss,
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "grad_norm": grad_norm,
+            "elapsed_ms": elapsed * 1000.0,
+            "tokens_per_s": tokens_per_iter / elapsed,
+            "tflops_per_gpu": flops / elapsed / world / 1e12,
+            "mem_gpu_gib": gpu_memory_gib(),
+            "mem_gpu_reserved_gib": gpu_memory_gib(reserved=True),
+            "gpu_alloc_retries": gpu_alloc_retries(),
+            "mem_host_gib": host_memory_gib(),
+            "consumed_samples": self.consumed,
+            **self._optimizer_profile(),
+            **self._save_record(),
+        }, self.cfg.train.train_iters, self.consumed, self.skipped)
+
     def _iterations(self, it, profiling, flops, tokens_per_iter, world):
         """Trains until the last iteration, a stop signal or too many skips: (last loss, stopped by a
         signal, aborting, non-finite iterations in a row)."""
@@ -313,27 +362,7 @@ class Trainer:
         while not last:
             iteration_started = time.perf_counter()
             profiling.begin(self.iteration + 1)
-            self.control.phase = f"iteration {self.iteration + 1}: forward and backward"
-            self.optimizer.zero_grad()
-            started = self._clock()
-            stats = self._run(it, forward_only=False)
-            loss = _mean_loss(stats, self.device)
-            loss_ok = self.rehearsal or parallel.all_ranks(
-                math.isfinite(loss) or not parallel_state.is_pipeline_last_stage(), self.device)
-            backward_done = self._clock()
-            if loss_ok:
-                self.control.phase = f"iteration {self.iteration + 1}: optimizer step"
-                ok, grad_norm, _ = self.optimizer.step()
-            else:  # a non-finite loss: leave the weights alone
-                ok, grad_norm = False, float("nan")
-                self.optimizer.zero_grad()
-            grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
-            if self.rehearsal:
-                stepped = self._clock()
-                self.records.append({"iteration": self.iteration + 1, "forward_backward_s": backward_done - started,
-                                     "optimizer_step_s": stepped - backward_done, "loss": loss,
-                                     "grad_norm": grad_norm, "stepped": bool(ok),
-                                     "zero_cache_profile": self.optimizer.profile_record()})
+            loss, ok, grad_norm = self._step(it)
             if ok and math.isfinite(grad_norm):
                 self.scheduler.step(increment=1)
                 in_a_row = 0
@@ -355,26 +384,7 @@ class Trainer:
                 self.control.phase = f"iteration {self.iteration}: evaluation"
                 val_loss = self.evaluate()
             if self.iteration % cfg.logging.log_interval == 0 or last or val_loss is not None:
-                if self.on_gpu:
-                    torch.cuda.synchronize()
-                elapsed = (time.perf_counter() - window_start) / window_iters
-                self.writer.log({
-                    "iteration": self.iteration,
-                    "lm_loss": loss,
-                    "val_loss": val_loss,
-                    "lr": self.optimizer.param_groups[0]["lr"],
-                    "grad_norm": grad_norm,
-                    "elapsed_ms": elapsed * 1000.0,
-                    "tokens_per_s": tokens_per_iter / elapsed,
-                    "tflops_per_gpu": flops / elapsed / world / 1e12,
-                    "mem_gpu_gib": gpu_memory_gib(),
-                    "mem_gpu_reserved_gib": gpu_memory_gib(reserved=True),
-                    "gpu_alloc_retries": gpu_alloc_retries(),
-                    "mem_host_gib": host_memory_gib(),
-                    "consumed_samples": self.consumed,
-                    **self._optimizer_profile(),
-                    **self._save_record(),
-                }, cfg.train.train_iters, self.consumed, self.skipped)
+                self._log(loss, val_loss, grad_norm, window_start, window_iters, flops, tokens_per_iter, world)
                 window_start, window_iters = time.perf_counter(), 0
             if cfg.checkpoint.save and (last or (cfg.checkpoint.save_interval
                                                  and self.iteration % cfg.checkpoint.save_interval == 0)):

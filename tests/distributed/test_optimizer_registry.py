@@ -3,11 +3,13 @@
 saves and resumes exactly; the names and refusals come from the registry."""
 
 import math
+import shutil
 
 import pytest
 
 from angelgpt.config import ConfigError, parse
 from angelgpt.config import optimizers
+from angelgpt.train.checkpoint_check import TRACKER, iter_dir
 from tests.helpers import check_one_line_error, run_cli, train_tiny
 
 pytestmark = pytest.mark.distributed
@@ -17,14 +19,15 @@ TOY = ["optim.custom_import=[tests.toy_optimizer]", "optim.optimizer=toy_sgd", "
 
 
 def test_an_optimizer_from_one_file_trains_saves_and_resumes_exactly(tmp_path):
-    full = train_tiny(tmp_path, "full", *TOY)
+    ckpt = tmp_path / "ckpt"
+    full = train_tiny(tmp_path, "full", *TOY, f"checkpoint.save={ckpt}", "checkpoint.save_interval=3")
     assert [r["iteration"] for r in full] == list(range(1, 7))
     assert full[-1]["lm_loss"] < full[0]["lm_loss"] - 0.1  # SGD moves the weights: the loss falls
-    ckpt = tmp_path / "ckpt"
-    first = train_tiny(tmp_path, "first", *TOY, "train.exit_interval=3", f"checkpoint.save={ckpt}")
-    assert first[-1]["iteration"] == 3
-    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
-    resumed = train_tiny(tmp_path, "resumed", *TOY, f"checkpoint.load={ckpt}")
+    assert (ckpt / TRACKER).read_text().strip() == "6"
+    stopped = tmp_path / "stopped"  # iteration 3's checkpoint as the newest, as a run stopped there leaves it
+    shutil.copytree(iter_dir(ckpt, 3), iter_dir(stopped, 3))
+    (stopped / TRACKER).write_text("3\n")
+    resumed = train_tiny(tmp_path, "resumed", *TOY, f"checkpoint.load={stopped}")
     assert [r["iteration"] for r in resumed] == [4, 5, 6]
     by_iter = {r["iteration"]: r for r in full}
     for r in resumed:  # the weights and the momentum buffers came back: the same losses as without a stop

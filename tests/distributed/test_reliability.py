@@ -4,6 +4,7 @@ non-finite losses, checkpoint rotation."""
 import os
 import subprocess
 import sys
+import threading
 
 import psutil
 import pytest
@@ -104,20 +105,28 @@ def test_worker_killed_by_sigkill_is_named_in_the_last_line(tmp_path):
 
 def test_a_rank_that_stops_answering_is_reported_by_the_others(tmp_path):
     """One of two gloo workers is frozen (SIGSTOP) mid-run: the other gives up after
-    parallel.distributed_timeout_minutes and names itself, the phase of training and the backend's report;
-    the run fails instead of hanging."""
+    parallel.distributed_timeout_minutes, names itself, the phase of training and the backend's report,
+    and exits; the run fails instead of hanging. (The frozen worker cannot act on the launcher's SIGTERM:
+    the test kills it once the other has exited, as the launcher would after its grace period.)"""
     proc = start_cli("train", "--size", "tiny", "--device", "cpu", "--nproc-per-node", "2", *WIDER,
                      "train.train_iters=100000", "logging.log_interval=1", "parallel.distributed_timeout_minutes=0.1")
+    lines = []
     try:
         line = proc.stdout.readline()
         while line and "iteration" not in line:  # training is under way
             line = proc.stdout.readline()
-        frozen = next(w for w in workers(proc) if "torch.distributed.run" not in " ".join(w.cmdline())
-                      and w.environ().get("RANK") == "1")
-        frozen.suspend()
-        _, err = proc.communicate(timeout=150)
+        ranks = {w.environ().get("RANK"): w for w in workers(proc) if "torch.distributed.run" not in " ".join(w.cmdline())}
+        ranks["1"].suspend()
+        threading.Thread(target=proc.stdout.read, daemon=True).start()
+        reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
+        reader.start()
+        ranks["0"].wait(timeout=120)  # psutil.TimeoutExpired if rank 0 hangs instead of giving up
+        ranks["1"].kill()
+        proc.wait(timeout=120)
+        reader.join(timeout=30)
     finally:
         proc.kill()
+    err = "".join(lines)
     assert proc.returncode != 0
     reports = [x for x in err.splitlines() if "a collective timed out" in x]
     assert reports and reports[0].startswith("angelgpt: rank 0: a collective timed out after 0.1 min "

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 
 from angelgpt.config import parse
+from angelgpt.planner.layout import rank_params
+from angelgpt.planner.memory import sub_group_numels
 from angelgpt.planner.plan import rank_tier_bytes
 from angelgpt.zero_cache import placement
 from tests.helpers import ROOT, check_one_line_error, run_cli, train_tiny
@@ -22,23 +24,31 @@ pytestmark = pytest.mark.distributed
 CHECK = Path(__file__).with_name("zero_cache_adamw_check.py")
 
 
-def adamw_check(tmp_path, nproc, *overrides, env_extra=None):
+def adamw_checks(tmp_path, nproc, *variants, env_extra=None):
+    """The check's per-rank results for each list of overrides in `variants`, all from one torchrun launch."""
     out = tmp_path / "result.json"
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **(env_extra or {}))
+    args = [str(arg) for i, overrides in enumerate(variants) for arg in [*(["--next"] if i else []), *overrides]]
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                           str(nproc), str(CHECK), str(out), *map(str, overrides)],
+                           str(nproc), str(CHECK), str(out), *args],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(out.read_text())
+    results = json.loads(out.read_text())
+    assert len(results) == len(variants)
+    return results
 
 
-# every pair of (DP, placement rate, NVMe) values meets in one case: 6 runs cover what 12 would
+def adamw_check(tmp_path, nproc, *overrides, env_extra=None):
+    """The check's per-rank results for one set of overrides."""
+    return adamw_checks(tmp_path, nproc, overrides, env_extra=env_extra)[0]
+
+
+# every pair of (DP, placement rate, NVMe) values meets in one case: 6 cases cover what 12 would
 PAIRWISE = [(False, 0.0, 1), (True, 0.0, 2), (True, 0.5, 1), (False, 0.5, 2), (True, 1.0, 1), (False, 1.0, 2)]
 
 
-@pytest.mark.parametrize("nvme, rate, dp", PAIRWISE,
-                         ids=[f"{'nvme' if n else 'no-nvme'}-{r}-{d}" for n, r, d in PAIRWISE])
-def test_update_equals_torch_adamw(tmp_path, dp, rate, nvme):
+def pairwise_overrides(nvme_path, nvme, rate, dp):
+    """(overrides, device_update_fraction) of a PAIRWISE case."""
     overrides = [f"zero_cache.prefetch_cache_sub_group_rate={rate}"]
     fraction = 0.0
     if nvme:  # host memory too small for all states: what is not on the device spills to NVMe, and half
@@ -46,9 +56,35 @@ def test_update_equals_torch_adamw(tmp_path, dp, rate, nvme):
         # room for gradients, scratch and staging and some states, not every state (a rank owns half at DP=2)
         host_gib = {(1, 0.0): 0.0018, (2, 0.0): 0.0014, (1, 0.5): 0.0015, (2, 0.5): 0.0010}.get((dp, rate), 0.0015)
         fraction = 0.5
-        overrides += [f"zero_cache.nvme_path={tmp_path / 'nvme'}", f"zero_cache.host_max_gib={host_gib}",
+        overrides += [f"zero_cache.nvme_path={nvme_path}", f"zero_cache.host_max_gib={host_gib}",
                       f"zero_cache.device_update_fraction={fraction}"]
-    ranks = adamw_check(tmp_path, dp, *overrides)
+    return overrides, fraction
+
+
+@pytest.fixture(scope="module")
+def shared_check(tmp_path_factory):
+    """run(nproc, variants, index, env_extra) -> the check's ranks for variants[index]; every set of
+    overrides in `variants` runs in one launch, made by the first test to ask (tests that share it pass
+    equal arguments but the index). Each set builds its own model and optimizer in that launch."""
+    launches = {}
+
+    def run(nproc, variants, index, env_extra=None):
+        key = (nproc, tuple(tuple(map(str, v)) for v in variants), tuple(sorted((env_extra or {}).items())))
+        if key not in launches:
+            launches[key] = adamw_checks(tmp_path_factory.mktemp("check"), nproc, *variants, env_extra=env_extra)
+        return launches[key][index]
+
+    return run
+
+
+@pytest.mark.parametrize("nvme, rate, dp", PAIRWISE,
+                         ids=[f"{'nvme' if n else 'no-nvme'}-{r}-{d}" for n, r, d in PAIRWISE])
+def test_update_equals_torch_adamw(shared_check, tmp_path_factory, dp, rate, nvme):
+    cases = [c for c in PAIRWISE if c[2] == dp]  # the cases of one DP size share a launch
+    settings = [pairwise_overrides(tmp_path_factory.getbasetemp() / f"nvme-{n}-{r}-{d}", n, r, d) for n, r, d in cases]
+    index = cases.index((nvme, rate, dp))
+    overrides, fraction = settings[index]
+    ranks = shared_check(dp, [o for o, _ in settings], index)
     assert len(ranks) == dp
     for r in ranks:
         assert r["first_update_max_rel_err"] < 1e-6, r
@@ -81,12 +117,17 @@ def test_update_equals_torch_adamw(tmp_path, dp, rate, nvme):
 def test_update_in_slices_equals_torch_adamw(tmp_path):
     """Chunks updated a slice at a time (here 1024 elements, so slices cut through parameters), on the
     device tier and on the host tier with offloaded weights, still equal torch AdamW."""
-    for rate, offload in ((0.5, "false"), (0.0, "true")):
-        ranks = adamw_check(tmp_path, 2, f"zero_cache.prefetch_cache_sub_group_rate={rate}",
-                            f"zero_cache.offload_params={offload}", env_extra={"ANGELGPT_ZERO_CACHE_SLICE": "1024"})
+    cases = ((0.5, "false"), (0.0, "true"))
+    results = adamw_checks(tmp_path, 2, *([f"zero_cache.prefetch_cache_sub_group_rate={rate}",
+                                           f"zero_cache.offload_params={offload}"] for rate, offload in cases),
+                           env_extra={"ANGELGPT_ZERO_CACHE_SLICE": "1024"})
+    for (rate, _), ranks in zip(cases, results):
         for r in ranks:
             assert r["first_update_max_rel_err"] < 1e-6, r
             assert r["three_updates_rel_err"] < 1e-6, r
+            # a device-tier case, and a host-tier one whose layers' weights are offloaded
+            expected = ({"device", "host"}, False) if rate else ({"host"}, True)
+            assert (set(r["tiers"]), bool(r["offloaded_layers"])) == expected, r
 
 
 @pytest.mark.parametrize("dp", [1, 2])
@@ -94,11 +135,14 @@ def test_accumulating_in_the_store_equals_torch_adamw(tmp_path, dp):
     """accumulate_in_store: three backward passes per step, each one's gradients reduced and added
     up in the store (device chunks, host chunks, offloaded layers) as it ends; the updates still
     equal torch AdamW on the summed gradients, and so does the same run without it."""
-    for extra in (["zero_cache.accumulate_in_store=true"], []):
-        rate = 0.25 if dp == 1 else 0.3  # some chunks on the device, and layers with every chunk off it
-        ranks = adamw_check(tmp_path, dp, f"zero_cache.prefetch_cache_sub_group_rate={rate}",
-                            "zero_cache.offload_params=true", *extra, env_extra={"ANGELGPT_CHECK_MICROBATCHES": "3"})
+    rate = 0.25 if dp == 1 else 0.3  # some chunks on the device, and layers with every chunk off it
+    variants = (["zero_cache.accumulate_in_store=true"], [])
+    results = adamw_checks(tmp_path, dp, *([f"zero_cache.prefetch_cache_sub_group_rate={rate}",
+                                            "zero_cache.offload_params=true", *extra] for extra in variants),
+                           env_extra={"ANGELGPT_CHECK_MICROBATCHES": "3"})
+    for extra, ranks in zip(variants, results):
         for r in ranks:
+            assert r["accumulate_in_store"] == bool(extra), (extra, r)
             assert r["first_update_max_rel_err"] < 1e-6, (extra, r)
             assert r["three_updates_rel_err"] < 1e-6, (extra, r)
             assert set(r["tiers"]) == {"device", "host"} and r["offloaded_layers"], r
@@ -111,15 +155,17 @@ def test_accumulating_in_the_store_equals_torch_adamw(tmp_path, dp):
 
 
 @pytest.mark.parametrize("fraction", [0.5, 1.0])
-def test_host_chunks_updated_on_the_device_equal_torch_adamw(tmp_path, monkeypatch, fraction):
+def test_host_chunks_updated_on_the_device_equal_torch_adamw(shared_check, monkeypatch, fraction):
     """device_update_fraction: that share of the host chunks streams through the device's two update
     buffers (slices of 1024 elements, so a chunk takes several trips and slices cut through
     parameters) while the CPU updates the rest; with gradients accumulated in the store over DP=2,
     the updates still equal torch AdamW, and the planner predicts the bytes (update buffers included)."""
-    overrides = ["zero_cache.prefetch_cache_sub_group_rate=0.3", "zero_cache.offload_params=false",
-                 f"zero_cache.device_update_fraction={fraction}", "zero_cache.accumulate_in_store=true"]
-    ranks = adamw_check(tmp_path, 2, *overrides,
-                        env_extra={"ANGELGPT_ZERO_CACHE_SLICE": "1024", "ANGELGPT_CHECK_MICROBATCHES": "2"})
+    variants = [["zero_cache.prefetch_cache_sub_group_rate=0.3", "zero_cache.offload_params=false",
+                 f"zero_cache.device_update_fraction={f}", "zero_cache.accumulate_in_store=true"] for f in (0.5, 1.0)]
+    index = (0.5, 1.0).index(fraction)  # both fractions share a launch
+    overrides = variants[index]
+    ranks = shared_check(2, variants, index,
+                         env_extra={"ANGELGPT_ZERO_CACHE_SLICE": "1024", "ANGELGPT_CHECK_MICROBATCHES": "2"})
     cfg = parse("tiny", overrides=["optim.optimizer=zero_cache", "train.micro_batch_size=2",
                                      "train.global_batch_size=8", *overrides])
     for r in ranks:
@@ -160,19 +206,31 @@ def test_a_layer_split_between_device_and_host_equals_torch_adamw(tmp_path, monk
         assert r["allocated"][tier] == predicted[tier], (tier, r["allocated"], predicted)
 
 
-@pytest.mark.parametrize("dp, nvme, cpu_adam", [(1, False, "auto"), (2, False, "torch"), (1, True, "auto"),
-                                                 (2, True, "auto")])
-def test_offloaded_weights_update_equals_torch_adamw(tmp_path, dp, nvme, cpu_adam):
-    """offload_params: layers whose states are off the device keep their weights on the host, are
-    fetched before each forward and released after their backward; updates still equal torch AdamW,
-    with the one-pass CPU AdamW (writing the new weights over the gradient they came from) and with
-    torch's."""
+OFFLOADED = [(1, False, "auto"), (2, False, "torch"), (1, True, "auto"), (2, True, "auto")]
+
+
+def offloaded_overrides(nvme_path, dp, nvme, cpu_adam):
+    """The overrides of an OFFLOADED case."""
     overrides = ["zero_cache.prefetch_cache_sub_group_rate=0.0", "zero_cache.offload_params=true",
                  f"zero_cache.cpu_adam={cpu_adam}"]
     if nvme:
         host_gib = 0.0025 if dp == 1 else 0.0016  # some states on the host, the rest on NVMe
-        overrides += [f"zero_cache.nvme_path={tmp_path / 'nvme'}", f"zero_cache.host_max_gib={host_gib}"]
-    ranks = adamw_check(tmp_path, dp, *overrides)
+        overrides += [f"zero_cache.nvme_path={nvme_path}", f"zero_cache.host_max_gib={host_gib}"]
+    return overrides
+
+
+@pytest.mark.parametrize("dp, nvme, cpu_adam", OFFLOADED)
+def test_offloaded_weights_update_equals_torch_adamw(shared_check, tmp_path_factory, dp, nvme, cpu_adam):
+    """offload_params: layers whose states are off the device keep their weights on the host, are
+    fetched before each forward and released after their backward; updates still equal torch AdamW,
+    with the one-pass CPU AdamW (writing the new weights over the gradient they came from) and with
+    torch's."""
+    cases = [c for c in OFFLOADED if c[0] == dp]  # the cases of one DP size share a launch
+    variants = [offloaded_overrides(tmp_path_factory.getbasetemp() / f"offloaded-nvme-{d}", d, n, c)
+                for d, n, c in cases]
+    index = cases.index((dp, nvme, cpu_adam))
+    overrides = variants[index]
+    ranks = shared_check(dp, variants, index)
     cfg = parse("tiny", overrides=["optim.optimizer=zero_cache", *overrides])
     for r in ranks:
         assert r["cpu_adam"] == ("native" if cpu_adam == "auto" and shutil.which("cc") else "torch"), r
@@ -188,22 +246,32 @@ def test_offloaded_weights_update_equals_torch_adamw(tmp_path, dp, nvme, cpu_ada
             assert r["allocated"].get(tier, 0) == predicted[tier], (tier, r["allocated"], predicted)
 
 
+@pytest.fixture(scope="module")
+def prefetch_runs(tmp_path_factory):
+    """(the largest layer's parameters, knob -> the check's result with every layer offloaded): by default,
+    and with a live cap of that layer in parameters and in fp32 bytes (the weights' size on CPU). The
+    default runs between the capped ones, so neither cap can carry over into a run without it."""
+    overrides = ["zero_cache.prefetch_cache_sub_group_rate=0.0", "zero_cache.offload_params=true"]
+    cfg = parse("tiny", overrides=["optim.optimizer=zero_cache", *overrides])
+    sizes = sub_group_numels(rank_params(cfg))
+    layer = max(sizes[g] for g in range(1, cfg.model.num_layers + 1))  # sub-group 1 + i is layer i
+    knobs = {"max_live_parameters": f"zero_cache.max_live_parameters={layer}", "default": None,
+             "max_contigous_params_size": f"zero_cache.max_contigous_params_size={4 * layer}"}
+    results = adamw_checks(tmp_path_factory.mktemp("prefetch"), 1,
+                           *([*overrides, knob] if knob else overrides for knob in knobs.values()))
+    return layer, {name: ranks[0] for name, ranks in zip(knobs, results)}
+
+
 @pytest.mark.parametrize("knob", ["default", "max_live_parameters", "max_contigous_params_size"])
-def test_prefetch_depth_follows_the_knobs(tmp_path, knob):
+def test_prefetch_depth_follows_the_knobs(prefetch_runs, knob):
     """Offloaded layers are prefetched while they fit prefetch_bucket_size (by default every layer of the
     tiny model); a live cap of one layer (in parameters, or in bytes) stops prefetching, so a forward
     without autograd holds one layer's weights at a time; updates equal torch AdamW either way."""
-    overrides = ["zero_cache.prefetch_cache_sub_group_rate=0.0", "zero_cache.offload_params=true"]
-    (tmp_path / "probe").mkdir()
-    probe = adamw_check(tmp_path / "probe", 1, *overrides)[0]
-    layer = max(probe["layer_params"])
-    if knob == "max_live_parameters":
-        overrides.append(f"zero_cache.max_live_parameters={layer}")
-    elif knob == "max_contigous_params_size":
-        overrides.append(f"zero_cache.max_contigous_params_size={4 * layer}")  # fp32 weights on CPU
-    r = probe if knob == "default" else adamw_check(tmp_path, 1, *overrides)[0]
+    layer, runs = prefetch_runs
+    r = runs[knob]
     assert r["three_updates_rel_err"] < 1e-6, r
     if knob == "default":
+        assert max(r["layer_params"]) == layer, r  # the cap of the other cases is one layer
         assert r["prefetch_depth"] >= len(r["layer_params"]) - 1
         assert r["eval_peak_live_params"] == sum(r["layer_params"]), r  # every layer fetched ahead of use
     else:

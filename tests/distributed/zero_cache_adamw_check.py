@@ -1,11 +1,14 @@
 """torchrun worker for the ZeRO-Cache AdamW equality test (CPU, gloo).
 
     torchrun --standalone --nproc-per-node 2 tests/distributed/zero_cache_adamw_check.py OUT.json \
-        zero_cache.prefetch_cache_sub_group_rate=0.5 zero_cache.nvme_path=/tmp/nv zero_cache.host_max_gib=0.0001
+        zero_cache.prefetch_cache_sub_group_rate=0.5 zero_cache.nvme_path=/tmp/nv zero_cache.host_max_gib=0.0001 \
+        --next zero_cache.prefetch_cache_sub_group_rate=0.0
 
 Three ZeRO-Cache updates of the tiny GPT against torch.optim.AdamW on an unsharded fp32 copy that
-sees the DP-averaged gradients, the same clipping and weight-decay groups. Writes the largest
-per-parameter relative error after one update, the whole-model relative error after three, bytes per tier, and where the NVMe files were.
+sees the DP-averaged gradients, the same clipping and weight-decay groups, for each set of overrides
+(sets separated by --next; each builds its own model, reference and optimizer, and closes them). Writes,
+per set and rank, the largest per-parameter relative error after one update, the whole-model relative
+error after three, bytes per tier, and where the NVMe files were.
 """
 
 import collections
@@ -34,7 +37,7 @@ def mapped_file(address: int):
 def checkpoint_views(model, opt) -> dict:
     """Where the tensors of the optimizer's checkpoint state live, for save and for load: inside a chunk's
     own states (host or device tier), in its NVMe file mapped into memory, or elsewhere (a copy)."""
-    from angelgpt.train.checkpoint_state import per_layer_keys
+    from angelgpt.train.checkpoint import per_layer_keys
 
     counts = {"chunk": 0, "nvme_file": 0, "copy": 0, "shards_per_key": 1}
     for loading in (False, True):
@@ -69,11 +72,10 @@ def concrete(cfg, on_gpu: bool):
     return cfg, beside_store_bytes(cfg) if on_gpu else 0
 
 
-def main():
-    out, overrides = sys.argv[1], sys.argv[2:]
+def check(overrides, on_gpu: bool, device) -> dict:
+    """This rank's result of the three updates with `overrides` (the module docstring)."""
     from megatron.core import parallel_state
 
-    from angelgpt import parallel
     from angelgpt.config import parse
     from angelgpt.model.gpt import build_gpt
     from angelgpt.optimizer.cpu import param_groups
@@ -84,9 +86,6 @@ def main():
     cfg = parse("tiny", overrides=["optim.optimizer=zero_cache", "optim.clip_grad=0.5", "optim.weight_decay=0.1",
                                      "train.micro_batch_size=2", f"train.global_batch_size={2 * dp_size * micro}",
                                      *overrides])
-    on_gpu = os.environ.get("ANGELGPT_CHECK_DEVICE") == "cuda"  # fp32 model on CUDA: device tier on the GPU
-    parallel.initialize(1, 1, on_gpu=on_gpu)
-    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     torch.manual_seed(0)
     model = build_gpt(cfg, on_gpu=False).to(device)
     torch.manual_seed(0)
@@ -154,12 +153,31 @@ def main():
               "host_numel": sum(c.numel for c in layout.chunks if c.tier == "host"),
               "split_groups": [gi for gi, cs in enumerate(layout.chunks_of) if len({c.tier for c in cs}) > 1],
               "chunks_per_group": max(len(cs) for cs in layout.chunks_of),
-              "layer_params": [layout.dp_layouts[gi][1] * layout.dp_size for gi in offloaded]}
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, result)
-    if rank == 0:
+              "layer_params": [layout.dp_layouts[gi][1] * layout.dp_size for gi in offloaded],
+              "accumulate_in_store": layout.accumulate}
+    return result
+
+
+def main():
+    from angelgpt import parallel
+
+    out, variants = sys.argv[1], [[]]
+    for arg in sys.argv[2:]:
+        if arg == "--next":
+            variants.append([])
+        else:
+            variants[-1].append(arg)
+    on_gpu = os.environ.get("ANGELGPT_CHECK_DEVICE") == "cuda"  # fp32 model on CUDA: device tier on the GPU
+    parallel.initialize(1, 1, on_gpu=on_gpu)
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    results = []
+    for overrides in variants:
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, check(overrides, on_gpu, device))
+        results.append(gathered)
+    if dist.get_rank() == 0:
         with open(out, "w") as fh:
-            json.dump(gathered, fh)
+            json.dump(results, fh)
     parallel.destroy()
 
 

@@ -1,7 +1,9 @@
 """The shape angelgpt/ keeps: its modules import one another one way (no circle, counting imports inside
 functions), and so do its folders (angelgpt/zero_cache/ never imports the optimizer package whose
-front it is), none is over 400 lines but the config schema, and no rehearsal mode is read from a module
-global outside the rehearsal module."""
+front it is), none is over 400 lines but the config schema, no function or method is over 80 lines, and no
+rehearsal mode is read from a module global outside the rehearsal module."""
+
+import ast
 
 from tests.helpers import ROOT
 from tests.unit.test_bench_package import circle, imports
@@ -53,6 +55,31 @@ def test_no_module_is_over_400_lines_but_the_schema():
     long = {str(p.relative_to(ROOT)): n for p in PACKAGE.rglob("*.py")
             if (n := len(p.read_text().splitlines())) > 400}
     assert long.keys() <= {"angelgpt/config/schema.py"}, long
+
+
+def long_functions(limit: int = 80) -> dict:
+    """'path:Class.function' -> lines (from `def` to its last line, docstring and nested functions included)
+    of every function or method of angelgpt/ over `limit` lines."""
+    found = {}
+
+    def visit(node, path, prefix):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = prefix + child.name
+                if not isinstance(child, ast.ClassDef) and (n := child.end_lineno - child.lineno + 1) > limit:
+                    found[f"{path}:{name}"] = n
+                visit(child, path, name + ".")
+            else:
+                visit(child, path, prefix)
+
+    for p in sorted(PACKAGE.rglob("*.py")):
+        visit(ast.parse(p.read_text()), str(p.relative_to(ROOT)), "")
+    return found
+
+
+def test_no_function_is_over_80_lines():
+    long = long_functions()
+    assert long == {}, long
 
 
 def test_no_rehearsal_global_outside_the_rehearsal_module():
