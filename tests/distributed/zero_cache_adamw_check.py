@@ -37,7 +37,7 @@ def mapped_file(address: int):
 def checkpoint_views(model, opt) -> dict:
     """Where the tensors of the optimizer's checkpoint state live, for save and for load: inside a chunk's
     own states (host or device tier), in its NVMe file mapped into memory, or elsewhere (a copy)."""
-    from angelgpt.train.checkpoint import per_layer_keys
+    from angelgpt.train.checkpoint_state import per_layer_keys
 
     counts = {"chunk": 0, "nvme_file": 0, "copy": 0, "shards_per_key": 1}
     for loading in (False, True):
