@@ -54,6 +54,18 @@ def train_tiny(tmp_path, name, *overrides, nproc=1, with_output=False):
     return (read_metrics(metrics), proc.stdout) if with_output else read_metrics(metrics)
 
 
+def resume_point(saved, iteration: int, dest):
+    """A checkpoint directory whose latest checkpoint is `saved`'s of `iteration` (a copy): what a run
+    stopped there would have left, taken from the uninterrupted run that saved it on its way."""
+    import shutil
+
+    from angelgpt.train.checkpoint_check import TRACKER, iter_dir
+
+    shutil.copytree(iter_dir(Path(saved), iteration), iter_dir(Path(dest), iteration))
+    (Path(dest) / TRACKER).write_text(f"{iteration}\n")
+    return Path(dest)
+
+
 def check_one_line_error(proc, needle, in_worker=False):
     """A bad input's answer: exit code 2, one line on stderr naming the problem, no traceback, and
     (unless the worker found it) nothing launched."""

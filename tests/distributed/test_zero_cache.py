@@ -18,7 +18,7 @@ from angelgpt.planner.layout import rank_params
 from angelgpt.planner.memory import sub_group_numels
 from angelgpt.planner.plan import rank_tier_bytes
 from angelgpt.zero_cache import placement
-from tests.helpers import ROOT, check_one_line_error, run_cli, train_tiny
+from tests.helpers import ROOT, check_one_line_error, resume_point, run_cli, train_tiny
 
 pytestmark = pytest.mark.distributed
 CHECK = Path(__file__).with_name("zero_cache_adamw_check.py")
@@ -316,10 +316,8 @@ def test_checkpoint_rate_0_resumes_with_rate_05(tmp_path):
     # rate 0.0 with offloaded weights: the checkpoint reads them from their host copies
     zc = ["optim.optimizer=zero_cache", "train.train_iters=20", "zero_cache.offload_params=true"]
     full = train_tiny(tmp_path, "full", *zc, "zero_cache.prefetch_cache_sub_group_rate=0.0",
-                      f"checkpoint.save={tmp_path / 'full'}", nproc=2)
-    ck = tmp_path / "ck"
-    train_tiny(tmp_path, "first", *zc, "zero_cache.prefetch_cache_sub_group_rate=0.0", "train.exit_interval=10",
-               f"checkpoint.save={ck}", nproc=2)
+                      "checkpoint.save_interval=10", f"checkpoint.save={tmp_path / 'full'}", nproc=2)
+    ck = resume_point(tmp_path / "full", 10, tmp_path / "ck")
     # resumed with half the states on the device, and the host chunks of layers whose weights stay
     # there (the output layer's) updated on the device
     resumed = train_tiny(tmp_path, "resumed", *zc, "zero_cache.prefetch_cache_sub_group_rate=0.5",
@@ -348,13 +346,12 @@ def test_checkpoint_saved_from_nvme_resumes_into_nvme(tmp_path):
     """States saved from their NVMe files (mapped, not read whole) and loaded into the files of another
     placement, in place, continue the run as if it had not stopped."""
     zc = ["optim.optimizer=zero_cache", "train.train_iters=14"]
-    full = train_tiny(tmp_path, "full", *zc, f"checkpoint.save={tmp_path / 'full'}", nproc=2)
-    ck = tmp_path / "ck"
     nvme = [f"zero_cache.nvme_path={tmp_path / 'nvme'}", "zero_cache.prefetch_cache_sub_group_rate=0.0",
             "zero_cache.host_max_gib=0.0013"]
-    _, out = train_tiny(tmp_path, "first", *zc, *nvme, "train.exit_interval=10", f"checkpoint.save={ck}", nproc=2,
-                        with_output=True)
+    full, out = train_tiny(tmp_path, "full", *zc, *nvme, "checkpoint.save_interval=10",
+                           f"checkpoint.save={tmp_path / 'full'}", nproc=2, with_output=True)
     assert re.search(r"nvme [1-9]", out), out  # saved with states on NVMe
+    ck = resume_point(tmp_path / "full", 10, tmp_path / "ck")
     resumed, out = train_tiny(tmp_path, "resumed", *zc, f"zero_cache.nvme_path={tmp_path / 'nvme2'}",
                               "zero_cache.prefetch_cache_sub_group_rate=0.5", "zero_cache.host_max_gib=0.001",
                               f"checkpoint.load={ck}", f"checkpoint.save={tmp_path / 'resumed'}", nproc=2,
