@@ -279,8 +279,10 @@ def test_prefetch_depth_follows_the_knobs(prefetch_runs, knob):
         assert r["eval_peak_live_params"] == layer, r  # one layer at a time
 
 
-# TP 2 x DP 2 exercises both the tensor-parallel and the data-parallel paths of every case below
-@pytest.mark.parametrize("layout", [("tp2dp2", 4, ["parallel.tensor_model_parallel_size=2"])],
+# TP 2 x DP 2 exercises both the tensor-parallel and the data-parallel paths of every case below; micro
+# batches of 2 make two a step on each DP rank (global batch 8), so gradients add up across micro batches
+@pytest.mark.parametrize("layout", [("tp2dp2", 4, ["parallel.tensor_model_parallel_size=2",
+                                                   "train.micro_batch_size=2"])],
                          ids=lambda x: x[0])
 def test_trajectory_follows_megatron_optimizer(tmp_path, layout):
     name, nproc, extra = layout
