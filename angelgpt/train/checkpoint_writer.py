@@ -145,6 +145,7 @@ class WriteJob:
         self.writer = dcp.FileSystemWriter(str(checkpoint_dir))
         self.fs = self.writer.fs = _CRCFileSystem()
         self.staged_bytes = 0
+        self.state_dict: Optional[dict] = None  # DCP's state dict, made by stage() or write()
         self.error: Optional[BaseException] = None
         self.thread: Optional[threading.Thread] = None
         self.write_s = 0.0
@@ -158,7 +159,7 @@ class WriteJob:
 
     def stage(self, staging: HostStaging) -> None:
         """Every tensor this rank writes copied into `staging`'s buffer (the device's ones as asynchronous
-        copies waited for together); what is written from then on is the copies."""
+        copies waited for together) and every object serialized; what is written from then on is these."""
         buffer, offset = staging.reserve(self.staging_bytes()), 0
         for sharded in self._tensors():
             data, nbytes = sharded.data, _nbytes(sharded.data)
@@ -168,6 +169,9 @@ class WriteJob:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
         self.staged_bytes = sum(_nbytes(s.data) for s in self._tensors())
+        # objects (schedules, counters, RNG states) are serialized here, in the training thread, as
+        # they are now: a thread writing after the next step must not see them changed
+        self.state_dict = mcore_to_pyt_state_dict(self.shards, False)
         # staged tensors are on the host already: the writer's device-to-host loader (a CUDA stream,
         # on the writer thread's current device) is not wanted
         self.writer.per_thread_copy_ahead = 0
@@ -177,7 +181,9 @@ class WriteJob:
         with the same group. A failure is kept for finish()."""
         started = time.perf_counter()
         try:
-            dcp.save(mcore_to_pyt_state_dict(self.shards, False), storage_writer=self.writer,
+            if self.state_dict is None:
+                self.state_dict = mcore_to_pyt_state_dict(self.shards, False)
+            dcp.save(self.state_dict, storage_writer=self.writer,
                      planner=MCoreSavePlanner(dedup_replicated_tensors=False, flatten_state_dict=False),
                      process_group=group)
         except BaseException as exc:  # reported to every rank by finish()
@@ -210,7 +216,7 @@ class WriteJob:
         if failed:
             raise RuntimeError(f"checkpoint write failed on rank(s) {sorted(failed)}: "
                                + "; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items())))
-        self.shards = {}  # the staged copies are freed
+        self.shards, self.state_dict = {}, None  # the staged copies are freed
         if dist.get_rank() != 0:
             return None
         return {name: meta for _, written in outcomes for name, meta in written.items()}

@@ -1,5 +1,6 @@
 """checkpoint.Saver on one gloo rank: one save in flight (a second finalizes the first before it
-starts), and an asynchronous save without host memory for its copy written synchronously with one line."""
+starts), an asynchronous save without host memory for its copy written synchronously with one line, and
+an asynchronous write holding what was staged, tensors and objects, whatever changes after."""
 
 import logging
 
@@ -95,3 +96,31 @@ def test_async_save_told_at_start_that_its_buffer_will_not_fit_saves_synchronous
     lines = [r.getMessage() for r in caplog.records if "host-memory copy" in r.getMessage()]
     assert len(lines) == 1 and "written synchronously" in lines[0], lines
     assert saver.pending[2].thread is None and saver.staging.buffer is None
+
+
+def _staged_then_changed(tmp_path):
+    """A save of one tensor and one object, staged, then both changed (the next step) before the
+    background write; what the checkpoint holds, read back."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+
+    from angelgpt.train.checkpoint_writer import HostStaging, ShardsStrategy, WriteJob
+
+    weight, counters = torch.arange(6, dtype=torch.float32), {"step": 1}
+    state = {"w": ShardedTensor.from_rank_offsets("w", weight), "c": ShardedObject("c", counters, (1,), (0,))}
+    strategy = ShardsStrategy()
+    dist_checkpointing.save(state, str(tmp_path), sharded_strategy=strategy)
+    job, staging = WriteJob(strategy.shards, tmp_path), HostStaging()
+    job.stage(staging)
+    weight.add_(100.0)
+    counters["step"] = 2
+    job.start(dist.new_group(backend="gloo"))
+    job.finish()
+    request = {"w": ShardedTensor.from_rank_offsets("w", torch.empty(6)), "c": ShardedObject("c", None, (1,), (0,))}
+    return dist_checkpointing.load(request, str(tmp_path))
+
+
+def test_an_async_write_holds_tensors_and_objects_as_they_were_when_staged(megatron_single_rank, tmp_path):
+    loaded = _staged_then_changed(tmp_path)
+    assert torch.equal(loaded["w"], torch.arange(6, dtype=torch.float32)) and loaded["c"] == {"step": 1}
