@@ -192,7 +192,7 @@ def _to_device(model: torch.nn.Module, device: torch.device) -> None:
     """The model's parameters and buffers moved to `device` in place (each parameter stays the same
     object, with the attributes Megatron set on it), except a deferred layer's, which stay on 'meta'."""
     for module in model.modules():
-        for name, param in module.named_parameters(recurse=False):
+        for param in module.parameters(recurse=False):
             if not param.is_meta:
                 param.data = param.data.to(device)
         for name, buffer in module.named_buffers(recurse=False):

@@ -44,8 +44,6 @@ def test_gpu_job_dry_run_without_a_gpu_prints_config_command_and_skips_the_plan(
 
 
 def test_dry_run_with_machine_prints_that_machines_plan(no_gpu):
-    from dataclasses import replace
-
     from angelgpt.config import parse
     from angelgpt.planner import GIB, machine_from, resolve_config
 

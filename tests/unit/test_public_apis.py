@@ -6,7 +6,6 @@ CUDA Memory Usage" guide; Megatron's --record-memory-history uses them too), and
 documented exit without cleanup."""
 
 import ast
-from pathlib import Path
 
 from tests.helpers import ROOT
 
