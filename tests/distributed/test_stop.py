@@ -140,11 +140,11 @@ def test_a_stop_request_after_the_grace_ends_the_job_at_once(tmp_path):
 
 def test_the_wall_clock_limit_saves_and_exits_0_before_it(tmp_path):
     ck, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
-    limit_s = 20.0
-    proc = start(ck, metrics, *WIDER, f"train.exit_duration_mins={limit_s / 60}", "checkpoint.save_interval=3")
+    limit_s = 30.0  # set-up on a loaded 2-core machine takes most of 20 s
+    proc = start(ck, metrics, *WIDER, f"train.exit_duration_mins={limit_s / 60}", "checkpoint.save_interval=2")
     started = psutil.Process(proc.pid).create_time()  # the limit counts from the launcher's start
     out, err = finish(proc, job(proc), timeout=120)
     stopped = check_stopped_and_saved(proc, out, err, ck, metrics, f"train.exit_duration_mins: {limit_s / 60:g} min")
-    assert stopped > 3  # it trained on after a save it measured
+    assert stopped > 2  # it trained on after a save it measured
     saved_at = (ck / f"iter_{stopped:07d}" / "manifest.json").stat().st_mtime
     assert saved_at < started + limit_s, f"the last save ended {saved_at - started:.1f} s after the start"
