@@ -50,7 +50,6 @@ def predicted(size: str, overrides, machine_info: dict) -> dict:
 
     from angelgpt.config import parse
     from angelgpt.planner import GIB, MACHINES, plan_for
-    from angelgpt.zero_cache.placement import CHUNK
 
     try:
         cfg = parse(size, None, list(overrides))
@@ -64,7 +63,7 @@ def predicted(size: str, overrides, machine_info: dict) -> dict:
             "host_gib": round(p.host_total / GIB, 2), "step_time_s": p.step_time_s,
             "bottleneck": p.bottleneck, "fits": p.fits, "accumulate_in_store": p.accumulate_in_store,
             "device_update_fraction": p.device_update_fraction, "recompute": p.recompute_label(),
-            "chunk_numel": CHUNK}
+            "chunk_numel": cfg.zero_cache.chunk_numel}
 
 
 def failure(tail: str, returncode: int) -> dict:

@@ -33,7 +33,7 @@ def main() -> int:
     from benchmarks.results import RESULTS, invocation, stamp, write_result
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--numel", type=int, default=1 << 26, help="slice size (ZeRO-Cache's SLICE)")
+    ap.add_argument("--numel", type=int, default=1 << 26, help="slice size (zero_cache.update_slice_numel)")
     ap.add_argument("--threads", type=int, default=None, help="both paths' threads (default: torch's)")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--out", default=str(RESULTS))

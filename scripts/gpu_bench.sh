@@ -26,10 +26,10 @@ if [ "${1:-}" = adamw ]; then
     [ "$2" = offload ] && extra="zero_cache.offload_params=true"
     [ "${2%_accumulate}" = device_update ] && extra="zero_cache.device_update_fraction=0.5 zero_cache.offload_params=false"
     [ "$2" = device_update_accumulate ] && extra="$extra zero_cache.accumulate_in_store=true" && micro=2
-    ANGELGPT_CHECK_MICROBATCHES=$micro ANGELGPT_CHECK_DEVICE=cuda ANGELGPT_ZERO_CACHE_SLICE=1024 \
+    ANGELGPT_CHECK_MICROBATCHES=$micro ANGELGPT_CHECK_DEVICE=cuda \
       timeout 120 python3 -m torch.distributed.run \
       --standalone --nproc-per-node 1 tests/distributed/zero_cache_adamw_check.py "$work/adamw-cuda-rate$1-$2.json" \
-      zero_cache.prefetch_cache_sub_group_rate=$1 $extra > "$work/adamw-cuda-$1-$2.log" 2>&1
+      zero_cache.prefetch_cache_sub_group_rate=$1 zero_cache.update_slice_numel=1024 $extra > "$work/adamw-cuda-$1-$2.log" 2>&1
   done
 fi
 timeout "$guard" python3 scripts/bench_peers.py run $cases --iters "${ITERS:-6}" --warmup 1 ${FORCE:+--force} \

@@ -109,10 +109,10 @@ def measured_and_planned(run: dict, overrides: Tuple[str, ...] = ()) -> Tuple[di
     """(measured, planned, plan) of a bench result: peak GPU memory (gpu_measured_gib) and peak host memory
     in GiB, median step time in s; the plan on the H200's figures with the chunk size the run had (one
     chunk per layer before results recorded it). Host memory is sampled between steps, so the planner's
-    in-step transient is not in it. The caller sets placement.CHUNK (see chunk_numel)."""
+    in-step transient is not in it."""
     from angelgpt.planner import MACHINES, plan_for
 
-    p = plan_for(config_of(run, overrides), MACHINES["h200"])
+    p = plan_for(config_of(run, (*overrides, f"zero_cache.chunk_numel={chunk_numel(run)}")), MACHINES["h200"])
     measured = {"gpu": gpu_measured_gib(run["peak_gpu_gib"]),
                 "host": run["peak_host_gib"], "step": run["elapsed_ms_median"] / 1000}
     planned = {"gpu": p.gpu_total / GIB, "host": (p.host_total - p.host_bytes.get("step_transient", 0)) / GIB,

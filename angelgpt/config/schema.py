@@ -398,6 +398,19 @@ class ZeroCacheConfig:
     """Directory for the NVMe tier; None turns the tier off."""
     nvme_max_gib: Optional[Float] = None
     """Most GiB the NVMe tier may use; None means what the disk has free."""
+    chunk_numel: int = 1 << 28
+    """Most elements of one chunk of states: a sub-group's parameters of one weight-decay class are
+    packed into chunks of whole parameters up to this size (a larger parameter is a chunk alone), so that
+    the placement can split a layer between the GPU and the host (a layer of the 55B shape: three chunks
+    of 2**28). The unit the planner places and the NVMe tier writes."""
+    update_slice_numel: int = 1 << 26
+    """Elements of a chunk updated at a time: the fp32 gradient scratch and the pinned upload buffers hold
+    one slice (the device update buffers at most 2**25); a multiple of 256, an fp8 moment's scale block.
+    Smaller slices take less memory and overlap finer; larger ones launch fewer kernels."""
+    triton_codec: bool = True
+    """Convert states kept in other dtypes than fp32 (bf16 remainders, bf16 and fp8 moments) on the GPU
+    with Triton kernels, one pass each, where Triton imports; false uses torch's ops (the same bits,
+    with temporaries)."""
 
     def __post_init__(self):
         _fraction("zero_cache.prefetch_cache_sub_group_rate", self.prefetch_cache_sub_group_rate)
@@ -413,6 +426,9 @@ class ZeroCacheConfig:
                  f"zero_cache.host_max_gib must be >= 0, got {self.host_max_gib}")
         _require(self.nvme_max_gib is None or self.nvme_max_gib > 0,
                  f"zero_cache.nvme_max_gib must be > 0, got {self.nvme_max_gib}")
+        _positive("zero_cache", chunk_numel=self.chunk_numel)
+        _require(self.update_slice_numel > 0 and self.update_slice_numel % 256 == 0,
+                 f"zero_cache.update_slice_numel must be a positive multiple of 256, got {self.update_slice_numel}")
 
 
 @_section

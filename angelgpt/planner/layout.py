@@ -72,10 +72,10 @@ def _built(cfg: Config, name: str) -> bool:
     return cfg.model.add_bias_linear or ("linear_qkv" in name and cfg.model.add_qkv_bias)
 
 
-def chunk_numels(params: List[Param], dp_size: int, dp_rank: int) -> List[Tuple[int, int]]:
+def chunk_numels(params: List[Param], dp_size: int, dp_rank: int, cap: int) -> List[Tuple[int, int]]:
     """(sub-group position, size) of the chunks this DP rank owns, in the optimizer's order (sub-group,
-    decay before no-decay, parameters packed up to placement.CHUNK); positions count the sub-groups this
-    pipeline stage has, from 0."""
+    decay before no-decay, parameters packed up to `cap` elements: zero_cache.chunk_numel); positions
+    count the sub-groups this pipeline stage has, from 0."""
     from angelgpt.zero_cache.placement import chunk_runs, partition
 
     owners = partition([p.numel for p in params], dp_size)
@@ -83,5 +83,5 @@ def chunk_numels(params: List[Param], dp_size: int, dp_rank: int) -> List[Tuple[
     for pos, g in enumerate(sorted({p.sub_group for p in params})):
         for decay in (True, False):
             mine = [p.numel for p, o in zip(params, owners) if p.sub_group == g and p.decay == decay and o == dp_rank]
-            chunks += [(pos, sum(mine[i] for i in run)) for run in chunk_runs(mine)]
+            chunks += [(pos, sum(mine[i] for i in run)) for run in chunk_runs(mine, cap)]
     return chunks

@@ -33,12 +33,11 @@ from angelgpt.planner.systemplan import SystemPlan, shortfall, world_and_dp
 from angelgpt.planner.timing import forward_share, host_update_rates
 from angelgpt.planner.zero_cache import (device_update_fraction, offload_params_on, rank_tier_bytes,
                                          stream_held_bytes)
-# placement's constants, importable from here (__all__); zero_cache.plan_step reads SLICE from
-# planner.zero_cache, so a test that patches the upload slice must patch it there
-from angelgpt.zero_cache.placement import GPU_HEADROOM, SLICE, STATES
+# placement's constants, importable from here (__all__)
+from angelgpt.zero_cache.placement import GPU_HEADROOM, STATES
 
 __all__ = ["CPU_BESIDE_DEVICE_UPDATE", "CUDA_CONTEXT", "DEVICE_UPDATE_PER_PCIE_GBS", "GIB", "GPU_HEADROOM",
-           "HOST_PROCESS", "MODEL_BYTES", "PCIE_DUPLEX_SHARE", "SLICE", "STATES", "STREAM_HELD_LAYERS",
+           "HOST_PROCESS", "MODEL_BYTES", "PCIE_DUPLEX_SHARE", "STATES", "STREAM_HELD_LAYERS",
            "SystemPlan", "TORCH_CPU_UPDATE", "WORKSPACE", "accumulating", "activation_bytes", "auto_plan",
            "beside_store_bytes", "device_update_fraction", "forward_share", "grad_bytes", "host_update_rates",
            "micro_batches_in_flight", "offload_params_on", "offloaded_activation_bytes", "plan", "plan_for",

@@ -27,8 +27,7 @@ from angelgpt.planner.memory import (accumulating, activation_bytes, grad_bytes,
                                      offloaded_activation_bytes, sub_group_numels)
 from angelgpt.planner.systemplan import SystemPlan, finish, world_and_dp
 from angelgpt.planner.timing import compute_s, forward_share, host_update_rates
-from angelgpt.zero_cache.placement import (SLICE, place, prefetch_depth, state_bytes, training_reserve,
-                                          upload_buffers)
+from angelgpt.zero_cache.placement import place, prefetch_depth, state_bytes, training_reserve, upload_buffers
 
 
 def _fetch_depth(cfg: Config, layer_numel: int) -> int:
@@ -96,11 +95,12 @@ def rank_tier_bytes(cfg: Config, dp: int, dp_rank: int, rate: float, host_limit:
     remainders, states = states_per_element(cfg, model_bytes)
 
     def placed(rank, allowed=None):
-        chunks = chunk_numels(params, dp, rank)
+        chunks = chunk_numels(params, dp, rank, cfg.zero_cache.chunk_numel)
         groups, numels = [g for g, _ in chunks], [n for _, n in chunks]
         return (groups, numels, *place(groups, numels, n_groups, float(rate), host_limit, use_nvme,
-                                       grad_bytes(cfg, dp, model_bytes), offload_params_on(cfg), in_store, allowed,
-                                       fraction, weight_bytes=model_bytes, states=states, remainders=remainders))
+                                       grad_bytes(cfg, dp, model_bytes), offload_params_on(cfg),
+                                       cfg.zero_cache.update_slice_numel, in_store, allowed, fraction,
+                                       weight_bytes=model_bytes, states=states, remainders=remainders))
 
     allowed = None
     if dp > 1:  # a layer is offloaded on every rank or on none, as the optimizer agrees over DP
@@ -160,7 +160,7 @@ def _memory(cfg: Config, dp: int, params, in_flight: int, store):
     remainders, _ = states_per_element(cfg)
     host = {
         "host_states": tb["host"],
-        "upload_buffers": upload_buffers(remainders) * min(max(uploads), SLICE) * MODEL_BYTES if uploads else 0,
+        "upload_buffers": upload_buffers(remainders) * min(max(uploads), cfg.zero_cache.update_slice_numel) * MODEL_BYTES if uploads else 0,
         "process": HOST_PROCESS,
     }
     return gpu, host

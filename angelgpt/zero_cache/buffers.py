@@ -19,7 +19,7 @@ from typing import Dict, List, Optional
 import torch
 
 from angelgpt.zero_cache.layout import Chunk, Layout
-from angelgpt.zero_cache.placement import (ACCUMULATION_SLOTS, CODEC_SLICE, SLICE, STATES, accumulation_bytes,
+from angelgpt.zero_cache.placement import (ACCUMULATION_SLOTS, CODEC_SLICE, STATES, accumulation_bytes,
                                            device_update_bytes, device_update_elements, largest_off_device_group,
                                            packed_nbytes, upload_buffers)
 from angelgpt.zero_cache.tiers import DeviceTier, HostTier, NVMeTier
@@ -90,7 +90,7 @@ def allocate(layout: Layout, device: torch.device, nvme_path: Optional[str], mat
     if nvme:
         tiers["nvme"] = nvme
     sizes = {t: [c.numel for c in chunks if (c.tier == "device") == (t == "device")] for t in ("device", "host")}
-    scratch = {t: tiers[t].allocate(min(max(n), SLICE)) for t, n in sizes.items() if n}
+    scratch = {t: tiers[t].allocate(min(max(n), layout.slice_numel)) for t, n in sizes.items() if n}
     # states not all fp32: three fp32 rows to decode a slice into for torch's AdamW
     work = {t: tiers[t].allocate(STATES * min(max(n), CODEC_SLICE)).view(STATES, -1)
             for t, n in sizes.items() if n and not fmt.fp32}
@@ -99,7 +99,7 @@ def allocate(layout: Layout, device: torch.device, nvme_path: Optional[str], mat
         tiers["host"].bytes += nvme.reserve_staging(fmt.nbytes(max(nvme_sizes)))
     upload = [c.numel for c in chunks if c.tier != "device" and not layout.partitioned[c.group] and not c.device_update]
     # pinned buffers in the model dtype carry updated weights to the device (placement.upload_buffers)
-    upload = [torch.empty(min(max(upload), SLICE), dtype=layout.model_dtype, pin_memory=True)
+    upload = [torch.empty(min(max(upload), layout.slice_numel), dtype=layout.model_dtype, pin_memory=True)
               for _ in range(upload_buffers(fmt.remainders))] if upload and on_cuda else []
     buffers = Buffers([None] * len(chunks), tiers, nvme, scratch, work, upload)
     _allocate_shared(layout, buffers)
@@ -167,10 +167,10 @@ def _allocate_shared(layout: Layout, buffers: Buffers) -> None:
     dtype = layout.grad_dtype
     size = dtype.itemsize
     slot = largest_off_device_group(groups, numels, tiers) if layout.accumulate else 0
-    n = device_update_elements(max((c.numel for c in chunks if c.device_update), default=0))
+    n = device_update_elements(max((c.numel for c in chunks if c.device_update), default=0), layout.slice_numel)
     # the sizes placement counts: the slots, or the update buffers, whichever is larger
     slots_bytes = accumulation_bytes(groups, numels, tiers, size) if layout.accumulate else 0
-    nbytes = max(slots_bytes, device_update_bytes(numels, streamed, size, fmt.bytes))
+    nbytes = max(slots_bytes, device_update_bytes(numels, streamed, size, layout.slice_numel, fmt.bytes))
     pool = buffers.tiers["device"].allocate(nbytes, torch.uint8) if nbytes else None
     buffers.acc_slots = [pool[i * slot * size:(i + 1) * slot * size].view(dtype)
                          for i in range(ACCUMULATION_SLOTS)] if slot else []

@@ -21,7 +21,7 @@ from angelgpt.zero_cache.adamw import AdamW, cut
 from angelgpt.zero_cache.buffers import ChunkBuffers
 from angelgpt.zero_cache.layout import Layout
 from angelgpt.zero_cache.pipeline import Profile, Streams
-from angelgpt.zero_cache.placement import DEVICE_UPDATE_SLICE, STATES, slices
+from angelgpt.zero_cache.placement import STATES, device_update_slice, slices
 from angelgpt.zero_cache.precision import decode, encode
 
 
@@ -57,7 +57,7 @@ class DeviceUpdate:
                     h2d.wait_event(after_backward)  # the gradients are in, backward read the old weights
                     if b.states_home is not None:
                         h2d.wait_event(b.states_home)  # the previous update's states are home
-            for lo, hi in slices(c.numel, DEVICE_UPDATE_SLICE):
+            for lo, hi in slices(c.numel, device_update_slice(self.layout.slice_numel)):
                 i = self._slot = 1 - self._slot
                 if self.update_free[i] is not None:
                     self.update_free[i].synchronize()  # the buffer's last states have left it

@@ -74,7 +74,7 @@ class HostUpdate:
         into an offloaded layer's host copy, up through a pinned upload buffer, or (a CPU run) into the
         model from the master; returns the uploads' events."""
         events = []
-        for lo, hi in slices(c.numel):
+        for lo, hi in slices(c.numel, self.layout.slice_numel):
             slot = None
             if b.weights is not None:  # fetched from here before the layer next runs
                 out = b.weights[lo:hi]
@@ -96,7 +96,7 @@ class HostUpdate:
         layer's on a CPU device), or, on CUDA, come down into a pinned staging buffer a slice ahead of
         the update (on the upload stream) and go back up from it; returns the uploads' events."""
         events = []
-        ranges = slices(c.numel)
+        ranges = slices(c.numel, self.layout.slice_numel)
         download = self.streams.cuda and b.weights is None
         ahead = self._download(b, *ranges[0]) if download else None
         for k, (lo, hi) in enumerate(ranges):

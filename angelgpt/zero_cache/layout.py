@@ -103,6 +103,7 @@ class Layout:
     # micro batches add up on the device in an fp32 main grad per parameter (gradients.py)
     main_grads: bool
     own_weights: bool  # an offloaded layer's weights have a buffer of their own (not its gradient buffer)
+    slice_numel: int  # elements of a chunk updated at a time (zero_cache.update_slice_numel)
     planned_bytes: Mapping[str, int]  # per tier, as placement counts them
 
     def numel(self, p: torch.nn.Parameter) -> int:
@@ -131,14 +132,14 @@ def place_chunks(named: List[Tuple[str, torch.nn.Parameter]], cfg: Config, devic
     for gi, sub_group in enumerate(sub_groups):
         for is_decay in (True, False):
             mine = [p for p in sub_group if decay[id(p)] == is_decay and owner[id(p)] == dp_rank]
-            for part, run in enumerate(chunk_runs([p.numel() for p in mine])):
+            for part, run in enumerate(chunk_runs([p.numel() for p in mine], zc.chunk_numel)):
                 ps = tuple(mine[i] for i in run)
                 offsets = tuple(sum(p.numel() for p in ps[:k]) for k in range(len(ps)))
                 chunks.append(dict(key=f"g{gi:04d}_{'decay' if is_decay else 'nodecay'}_{part}", group=gi,
                                    params=ps, decay=is_decay, numel=sum(p.numel() for p in ps), offsets=offsets,
                                    shapes=tuple(p.shape for p in ps), index=len(chunks)))
     model_dtype = params[0].dtype
-    fmt = StateFormat.from_config(o, model_dtype)
+    fmt = StateFormat.from_config(cfg, model_dtype)
     fp32 = o.accumulate_grads_in_fp32 and num_microbatches > 1
     grad_dtype = torch.float32 if fp32 else model_dtype
     numel = lambda p: shape[id(p)].numel()  # noqa: E731
@@ -162,7 +163,7 @@ def place_chunks(named: List[Tuple[str, torch.nn.Parameter]], cfg: Config, devic
         partitioned=tuple(partitioned), model_dtype=model_dtype, grad_dtype=grad_dtype, format=fmt,
         num_microbatches=num_microbatches, accumulate=accumulate,
         main_grads=num_microbatches > 1 and not accumulate and grad_dtype != model_dtype,
-        own_weights=own_weights, planned_bytes=MappingProxyType(planned))
+        own_weights=own_weights, slice_numel=zc.update_slice_numel, planned_bytes=MappingProxyType(planned))
 
 
 def _place(zc, device, group, rehearsal, beside_store_bytes, groups, numels, sub_groups, numel, fmt,
@@ -176,7 +177,7 @@ def _place(zc, device, group, rehearsal, beside_store_bytes, groups, numels, sub
                      f"{zc.nvme_path}", extra=EVERY_RANK)
     avail = available_bytes(device, zc.host_max_gib, zc.nvme_path, zc.nvme_max_gib)
     args = (groups, numels, len(sub_groups), float(zc.prefetch_cache_sub_group_rate), avail["host"],
-            bool(zc.nvme_path), grad_bytes, zc.offload_params, accumulate)
+            bool(zc.nvme_path), grad_bytes, zc.offload_params, zc.update_slice_numel, accumulate)
     kw = {"device_update_fraction": float(zc.device_update_fraction), "weight_bytes": weight_bytes,
           "states": fmt.bytes, "remainders": fmt.remainders}
     tiers, flags, needed, streamed = place(*args, **kw)

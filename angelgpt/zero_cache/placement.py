@@ -7,7 +7,6 @@ model's weights (fetched offloaded layers, their host copies, the uploads)."""
 
 from __future__ import annotations
 
-import os
 from typing import Dict, List, Optional
 
 STATES = 3  # master weights, exp_avg, exp_avg_sq
@@ -15,15 +14,9 @@ FP32_STATE_BYTES = STATES * 4  # a chunk element's states, all in fp32
 MOMENT_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1}  # optim.exp_avg_dtype, optim.exp_avg_sq_dtype
 # elements an fp8 moment's scale covers (blockwise: one fp32 power-of-two scale per block of the chunk)
 FP8_BLOCK = 256
-# elements updated at a time: the fp32 gradient scratch and the upload buffers hold one slice (whole
-# blocks of fp8 moments: a setting that is not a multiple of FP8_BLOCK is rounded down to one)
-SLICE = max(FP8_BLOCK, int(os.environ.get("ANGELGPT_ZERO_CACHE_SLICE", 1 << 26)) // FP8_BLOCK * FP8_BLOCK)
-# elements a device update buffer holds (two of them: host chunks updated on the device stream through them)
-DEVICE_UPDATE_SLICE = min(SLICE, 1 << 25)
-# most elements of one chunk: a sub-group's parameters of one weight-decay class go into chunks of
-# whole parameters up to this size (a larger parameter is a chunk alone), so that placement can split a
-# layer between the device and the host (a layer of the 55 shape: three chunks of 2**28)
-CHUNK = int(os.environ.get("ANGELGPT_ZERO_CACHE_CHUNK", 1 << 28))
+# most elements a device update buffer holds (two of them: host chunks updated on the device stream
+# through them), fewer where zero_cache.update_slice_numel is smaller
+DEVICE_UPDATE_SLICE = 1 << 25
 # device slots that host chunks' running sums make their round trips through (accumulate_in_store): one
 # more than two lets a slot's trip home overlap the next layer's backward
 ACCUMULATION_SLOTS = 3
@@ -58,14 +51,14 @@ def state_nbytes(numel: int, states) -> int:
     return whole * numel + 4 * scaled * -(-numel // FP8_BLOCK)
 
 
-def slices(numel: int, size: int = SLICE):
+def slices(numel: int, size: int):
     """[lo, hi) ranges of at most `size` elements covering a chunk."""
     return [(lo, min(numel, lo + size)) for lo in range(0, numel, size)]
 
 
-def chunk_runs(numels: List[int], cap: Optional[int] = None) -> List[List[int]]:
-    """Indices of consecutive parameters packed into chunks of at most `cap` (default CHUNK) elements."""
-    cap = CHUNK if cap is None else cap
+def chunk_runs(numels: List[int], cap: int) -> List[List[int]]:
+    """Indices of consecutive parameters packed into chunks of at most `cap` elements
+    (zero_cache.chunk_numel; a larger parameter is a chunk alone)."""
     runs: List[List[int]] = []
     size = 0
     for i, n in enumerate(numels):
@@ -108,11 +101,11 @@ def plan_tiers(chunk_bytes: List[int], rate: float, host_limit: int, nvme_enable
     return tiers
 
 
-def tier_bytes(numels: List[int], tiers: List[str], grad_bytes: int,
+def tier_bytes(numels: List[int], tiers: List[str], grad_bytes: int, slice_numel: int,
                states: int = FP32_STATE_BYTES) -> Dict[str, int]:
     """Bytes each tier holds for chunks of these sizes and tiers: the states (`states` bytes an
     element: state_bytes) where the chunk lives, its gradient on the device (device chunks) or host,
-    one fp32 update scratch per updating tier (and, where the states are not all fp32, three fp32 rows
+    one fp32 update scratch of `slice_numel` elements at most per updating tier (and, where the states are not all fp32, three fp32 rows
     to decode them into), NVMe staging (two buffers of the largest NVMe chunk's states) on the host.
     The planner uses this too."""
     need = {"device": 0, "host": 0, "nvme": 0}
@@ -122,7 +115,7 @@ def tier_bytes(numels: List[int], tiers: List[str], grad_bytes: int,
     for tier, members in (("device", ("device",)), ("host", ("host", "nvme"))):
         sizes = [n for n, t in zip(numels, tiers) if t in members]
         if sizes:
-            need[tier] += 4 * min(max(sizes), SLICE)  # fp32 gradient scratch of the slice being updated
+            need[tier] += 4 * min(max(sizes), slice_numel)  # fp32 gradient scratch of the slice being updated
             if states != FP32_STATE_BYTES:
                 need[tier] += STATES * 4 * min(max(sizes), CODEC_SLICE)
     nvme = [n for n, t in zip(numels, tiers) if t == "nvme"]
@@ -132,11 +125,11 @@ def tier_bytes(numels: List[int], tiers: List[str], grad_bytes: int,
 
 
 def host_room_for_states(host_limit: float, numels: List[int], grad_bytes: int, nvme_enabled: bool,
-                         states: int = FP32_STATE_BYTES) -> float:
+                         slice_numel: int, states: int = FP32_STATE_BYTES) -> float:
     """Host bytes left for chunk states once the host's fixed share is set aside: every off-device
     gradient (at most all of them), the update scratch and, with NVMe, its two staging buffers."""
     largest = max(numels, default=0)
-    fixed = sum(n * grad_bytes for n in numels) + 4 * min(largest, SLICE)
+    fixed = sum(n * grad_bytes for n in numels) + 4 * min(largest, slice_numel)
     if states != FP32_STATE_BYTES:
         fixed += STATES * 4 * min(largest, CODEC_SLICE)
     if nvme_enabled:
@@ -227,14 +220,14 @@ def device_updated(groups: List[int], numels: List[int], tiers: List[str], flags
     return out
 
 
-def device_update_bytes(numels: List[int], streamed: List[bool], grad_bytes: int,
+def device_update_bytes(numels: List[int], streamed: List[bool], grad_bytes: int, slice_numel: int,
                         states: int = FP32_STATE_BYTES) -> int:
     """Device memory of the two device update buffers (none when no chunk is updated there): fp32
     master, exp_avg, exp_avg_sq and gradient, where the store's gradients are not fp32 the gradient as
     it arrives in their dtype (an fp32 gradient arrives in its row directly), and where the states are
     not all fp32 the states as they arrive (`states` bytes an element), decoded on the device."""
     largest = max((n for n, s in zip(numels, streamed) if s), default=0)
-    n = device_update_elements(largest)
+    n = device_update_elements(largest, slice_numel)
     return 2 * (((STATES + 1) * 4 + (grad_bytes if grad_bytes != 4 else 0)) * n + packed_nbytes(n, states))
 
 
@@ -244,14 +237,20 @@ def packed_nbytes(n: int, states) -> int:
     return 0 if states == FP32_STATE_BYTES else -(-state_nbytes(n, states) // 8) * 8
 
 
-def device_update_elements(largest: int) -> int:
+def device_update_slice(slice_numel: int) -> int:
+    """Elements a device update buffer takes at a time (zero_cache.update_slice_numel, at most
+    DEVICE_UPDATE_SLICE)."""
+    return min(slice_numel, DEVICE_UPDATE_SLICE)
+
+
+def device_update_elements(largest: int, slice_numel: int) -> int:
     """Elements a device update buffer holds for a largest streamed chunk of `largest` elements (a
     multiple of 8, so every part of the buffers stays aligned to its dtype)."""
-    return -(-min(largest, DEVICE_UPDATE_SLICE) // 8) * 8
+    return -(-min(largest, device_update_slice(slice_numel)) // 8) * 8
 
 
 def place(groups: List[int], numels: List[int], n_groups: int, rate: float, host_limit: float, nvme_enabled: bool,
-          grad_bytes: int, offload_params: bool, accumulate_in_store: bool = False, allowed=None,
+          grad_bytes: int, offload_params: bool, slice_numel: int, accumulate_in_store: bool = False, allowed=None,
           device_update_fraction: float = 0.0, weight_bytes: Optional[int] = None,
           states: int = FP32_STATE_BYTES, remainders: bool = False):
     """Tiers per chunk, offloaded-weights flag per sub-group, bytes per tier, and per chunk whether the
@@ -262,26 +261,27 @@ def place(groups: List[int], numels: List[int], n_groups: int, rate: float, host
     buffer (the last backward reads them before its gradients land there, and the update writes the
     new weights back), or in a pinned buffer of their own (own_weight_buffers). Host chunks updated on
     the device (`device_updated`) need two update buffers on the device, which share their memory with
-    the accumulation slots. weight_bytes defaults to grad_bytes; `states`: the bytes a chunk keeps per
-    element (state_bytes); `remainders`: the masters are remainders beside the weights
-    (optim.store_param_remainders), which offloaded layers then keep in buffers of their own."""
+    the accumulation slots. slice_numel: elements updated at a time (zero_cache.update_slice_numel);
+    weight_bytes defaults to grad_bytes; `states`: the bytes a chunk keeps per element (state_bytes);
+    `remainders`: the masters are remainders beside the weights (optim.store_param_remainders), which
+    offloaded layers then keep in buffers of their own."""
     weight_bytes = grad_bytes if weight_bytes is None else weight_bytes
     separate = own_weight_buffers(accumulate_in_store, grad_bytes, weight_bytes, remainders)
-    room = host_room_for_states(host_limit, numels, grad_bytes, nvme_enabled, states)
+    room = host_room_for_states(host_limit, numels, grad_bytes, nvme_enabled, slice_numel, states)
     fitting, last = None, None  # the last placement that fits; the tiers of the pass before
     for _ in range(4 * len(numels) + 4):  # each pass moves a chunk between host and NVMe, or stops
         tiers = plan_tiers([state_nbytes(n, states) for n in numels], rate, room, nvme_enabled)
         flags = offloaded_layers(groups, tiers, n_groups, offload_params)
         if allowed is not None:  # over DP a layer is offloaded on every rank or on none
             flags = [f and a for f, a in zip(flags, allowed)]
-        need = tier_bytes(numels, tiers, grad_bytes, states)
+        need = tier_bytes(numels, tiers, grad_bytes, slice_numel, states)
         if separate:  # offloaded layers' weights in buffers of their own, else in their gradient buffers
             need["host"] += weight_bytes * sum(n for g, n in zip(groups, numels) if flags[g])
         slots = accumulation_bytes(groups, numels, tiers, grad_bytes) if accumulate_in_store else 0
         # the accumulation slots and the device update buffers share one device buffer: the update runs
         # between the last backward and the next forward, the round trips during later backward passes
         streamed = device_updated(groups, numels, tiers, flags, device_update_fraction)
-        need["device"] += max(slots, device_update_bytes(numels, streamed, grad_bytes, states))
+        need["device"] += max(slots, device_update_bytes(numels, streamed, grad_bytes, slice_numel, states))
         over = need["host"] - host_limit
         if not nvme_enabled:
             return tiers, flags, need, streamed

@@ -14,7 +14,7 @@ CPU kernel (cpu_adam.c) does the same arithmetic. (A NaN master whose upper half
 top remainder bit set splits into a zero weight; it joins back to the NaN, and a non-finite gradient
 norm skips the step that would make one.)
 
-    fmt = StateFormat.from_config(cfg.optim, model_dtype)
+    fmt = StateFormat.from_config(cfg, model_dtype)
     rows = fmt.rows(raw, n)                  # [master or remainder, exp_avg, exp_avg_sq], typed views
     decode(fmt, rows, hi, work)              # work [3, n] fp32 <- the states
     encode(fmt, work, rows, hi, seed, base)  # the states (and the weights hi) <- work
@@ -33,8 +33,7 @@ continues as the uninterrupted run would. A value already a code times the scale
 from __future__ import annotations
 
 import functools
-import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
 import torch
@@ -79,13 +78,17 @@ class StateFormat:
     remainders: bool = False  # the master row is the int16 remainder beside the bf16 weight
     exp_avg: str = "fp32"
     exp_avg_sq: str = "fp32"
+    # CUDA rows convert through triton_codec's kernels where Triton imports (zero_cache.triton_codec):
+    # the same bits as torch's ops, so formats that differ only in it are equal
+    triton: bool = field(default=True, compare=False)
 
     @classmethod
-    def from_config(cls, optim, model_dtype: torch.dtype) -> "StateFormat":
+    def from_config(cls, cfg, model_dtype: torch.dtype) -> "StateFormat":
         """The config's choice; remainders only where the weights are bf16 (an fp32 model's weight is
         its master already)."""
-        return cls(optim.store_param_remainders is True and model_dtype == torch.bfloat16,
-                   optim.exp_avg_dtype, optim.exp_avg_sq_dtype)
+        o = cfg.optim
+        return cls(o.store_param_remainders is True and model_dtype == torch.bfloat16, o.exp_avg_dtype,
+                   o.exp_avg_sq_dtype, cfg.zero_cache.triton_codec)
 
     @classmethod
     def from_metadata(cls, metadata: Optional[dict]) -> "StateFormat":
@@ -182,18 +185,18 @@ def _triton_codec():
     return triton_codec
 
 
-def _kernels_for(*tensors: torch.Tensor):
-    """triton_codec where it takes these tensors (contiguous, on CUDA, Triton there, and
-    ANGELGPT_ZERO_CACHE_TRITON not 0), else None: torch's ops convert them."""
-    if all(t.is_cuda and t.is_contiguous() for t in tensors) and os.environ.get("ANGELGPT_ZERO_CACHE_TRITON") != "0":
+def _kernels_for(*tensors: torch.Tensor, triton: bool = True):
+    """triton_codec where it takes these tensors (contiguous, on CUDA, Triton there) and `triton` asks
+    for it, else None: torch's ops convert them."""
+    if triton and all(t.is_cuda and t.is_contiguous() for t in tensors):
         return _triton_codec()
     return None
 
 
-def _codec_slice(work: torch.Tensor) -> int:
+def _codec_slice(work: torch.Tensor, triton: bool) -> int:
     """Elements decode and encode convert at a time: all of them where triton_codec's kernels take the
     rows (one launch per row), else CODEC_SLICE."""
-    return max(1, work.shape[1]) if _kernels_for(work[0]) else CODEC_SLICE
+    return max(1, work.shape[1]) if _kernels_for(work[0], triton=triton) else CODEC_SLICE
 
 
 def decoded_master(fmt: StateFormat, states, hi: Optional[torch.Tensor]) -> torch.Tensor:
@@ -204,9 +207,9 @@ def decoded_master(fmt: StateFormat, states, hi: Optional[torch.Tensor]) -> torc
     return join_master(hi.cpu(), states[0].cpu(), torch.empty(states[0].numel(), dtype=torch.float32))
 
 
-def join_master(hi: torch.Tensor, rem: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def join_master(hi: torch.Tensor, rem: torch.Tensor, out: torch.Tensor, triton: bool = True) -> torch.Tensor:
     """out (fp32) <- the exact master of bf16 weights hi and int16 remainders rem."""
-    kernels = _kernels_for(hi, rem, out)
+    kernels = _kernels_for(hi, rem, out, triton=triton)
     if kernels:
         return kernels.join(hi, rem, out)
     borrow = (rem < 0).to(torch.int32)
@@ -216,9 +219,9 @@ def join_master(hi: torch.Tensor, rem: torch.Tensor, out: torch.Tensor) -> torch
     return out
 
 
-def split_master(master: torch.Tensor, hi: torch.Tensor, rem: torch.Tensor) -> None:
+def split_master(master: torch.Tensor, hi: torch.Tensor, rem: torch.Tensor, triton: bool = True) -> None:
     """hi (bf16) and rem (int16) <- fp32 master: the weight rounded by the remainder's top bit."""
-    kernels = _kernels_for(master, hi, rem)
+    kernels = _kernels_for(master, hi, rem, triton=triton)
     if kernels:
         return kernels.split(master, hi, rem)
     bits = master.view(torch.int32)
@@ -230,13 +233,13 @@ def decode(fmt: StateFormat, rows: list, hi: Optional[torch.Tensor], work: torch
     """work [3, n] fp32 <- the states (rows as StateFormat.rows gives them, sliced alike; hi: the bf16
     weights of the same elements where the master is a remainder), CODEC_SLICE elements at a time (the
     integer temporaries stay small), or at once by triton_codec's kernels (no temporaries)."""
-    for a, b in slices(work.shape[1], _codec_slice(work)):
+    for a, b in slices(work.shape[1], _codec_slice(work, fmt.triton)):
         if fmt.remainders:
-            join_master(hi[a:b], rows[0][a:b], work[0, a:b])
+            join_master(hi[a:b], rows[0][a:b], work[0, a:b], triton=fmt.triton)
         else:
             work[0, a:b].copy_(rows[0][a:b])
         for k in (1, 2):
-            read_moment(rows[k][a:b], work[k, a:b], squared=k == 2)
+            read_moment(rows[k][a:b], work[k, a:b], squared=k == 2, triton=fmt.triton)
 
 
 def encode(fmt: StateFormat, work: torch.Tensor, rows: list, hi: Optional[torch.Tensor],
@@ -244,31 +247,32 @@ def encode(fmt: StateFormat, work: torch.Tensor, rows: list, hi: Optional[torch.
     """The states (and, with remainders, the weights hi) <- work [3, n] fp32; bf16 moments rounded to
     nearest even, fp8 ones stochastically (seed: (chunk, step); base: the chunk element rows[k][0] is),
     a part at a time as decode does."""
-    for a, b in slices(work.shape[1], _codec_slice(work)):
+    for a, b in slices(work.shape[1], _codec_slice(work, fmt.triton)):
         if fmt.remainders:
-            split_master(work[0, a:b], hi[a:b], rows[0][a:b])
+            split_master(work[0, a:b], hi[a:b], rows[0][a:b], triton=fmt.triton)
         else:
             rows[0][a:b].copy_(work[0, a:b])
         for k in (1, 2):
             write_moment(work[k, a:b], rows[k][a:b], squared=k == 2, seed=(seed[0] * STATES + k, seed[1]),
-                         base=base + a)
+                         base=base + a, triton=fmt.triton)
 
 
-def moment_as_bf16(row, squared: bool = False) -> torch.Tensor:
+def moment_as_bf16(row, squared: bool = False, triton: bool = True) -> torch.Tensor:
     """An fp8 moment's values (exp_avg_sq's squared) as a new host bf16 tensor, which holds them exactly
     (MIN_EXPONENT), decoded CODEC_SLICE elements at a time."""
     n = row.numel()
     out = torch.empty(n, dtype=torch.bfloat16)
     for a, b in slices(n, CODEC_SLICE):
-        out[a:b].copy_(read_moment(row[a:b], torch.empty(b - a, device=row.codes.device), squared=squared))
+        out[a:b].copy_(read_moment(row[a:b], torch.empty(b - a, device=row.codes.device), squared=squared,
+                                   triton=triton))
     return out
 
 
-def read_moment(row, out: torch.Tensor, squared: bool = False) -> torch.Tensor:
+def read_moment(row, out: torch.Tensor, squared: bool = False, triton: bool = True) -> torch.Tensor:
     """out (fp32) <- a moment row's values (an fp8 exp_avg_sq: the square of what is kept)."""
     if not isinstance(row, Blockwise):
         return out.copy_(row)
-    kernels = _kernels_for(row.codes, row.scales, out)
+    kernels = _kernels_for(row.codes, row.scales, out, triton=triton)
     if kernels:
         return kernels.read_fp8(row.codes, row.scales, out, squared)
     n = row.numel()
@@ -282,13 +286,13 @@ def read_moment(row, out: torch.Tensor, squared: bool = False) -> torch.Tensor:
 
 
 def write_moment(values: torch.Tensor, row, squared: bool = False, seed: Tuple[int, int] = (0, 0),
-                 base: int = 0) -> None:
+                 base: int = 0, triton: bool = True) -> None:
     """A moment row <- fp32 values (an fp8 exp_avg_sq keeps their square root), rounded to nearest even
     into bf16, stochastically into fp8 (blockwise scales from each block's largest magnitude)."""
     if not isinstance(row, Blockwise):
         row.copy_(values)
         return
-    kernels = _kernels_for(values, row.codes, row.scales)
+    kernels = _kernels_for(values, row.codes, row.scales, triton=triton)
     if kernels:
         return kernels.write_fp8(values, row.codes, row.scales, squared, salt(seed), base, _MIX[2:],
                                  MIN_EXPONENT[squared])

@@ -87,7 +87,7 @@ class CheckpointState:
                 # loaded into host tensors as the checkpoint keeps them, converted after
                 rows = [torch.empty(c.numel, dtype=dtype) for dtype in saved.checkpoint_dtypes]
             elif L.format.blockwise:  # fp8 moments saved decoded, in bf16 (exact)
-                rows = [moment_as_bf16(r, squared=k == 2) if isinstance(r, Blockwise) else r
+                rows = [moment_as_bf16(r, squared=k == 2, triton=L.format.triton) if isinstance(r, Blockwise) else r
                         for k, r in enumerate(rows)]
             if is_loading:
                 self._loading[id(c)] = rows
@@ -130,17 +130,17 @@ class CheckpointState:
                         view.copy_(p.data.reshape(view.shape))
             if saved != fmt or saved.blockwise:
                 master = rows[0].float() if not saved.remainders else join_master(
-                    self._weights(c), rows[0], torch.empty(c.numel, dtype=torch.float32))
+                    self._weights(c), rows[0], torch.empty(c.numel, dtype=torch.float32), triton=fmt.triton)
                 if fmt.remainders:
                     hi = b.hi.cpu()
-                    split_master(master, hi, dst[0])
+                    split_master(master, hi, dst[0], triton=fmt.triton)
                     b.hi.copy_(hi)
                 else:
                     dst[0].copy_(master)
                 for k in (1, 2):  # an fp8 moment's values from another format are rounded stochastically
                     for lo, end in slices(c.numel, CODEC_SLICE):  # (whole blocks: the temporaries stay small)
                         write_moment(rows[k][lo:end].float(), dst[k][lo:end], squared=k == 2,
-                                     seed=(c.index * STATES + k, int(step)), base=lo)
+                                     seed=(c.index * STATES + k, int(step)), base=lo, triton=fmt.triton)
             b.step.fill_(step)
             b.step_count = int(step)
             if fmt.remainders:

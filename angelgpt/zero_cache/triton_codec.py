@@ -10,7 +10,7 @@ parts (a float product in a Triton kernel may flush subnormal results to zero), 
 torch's ops write, bit for bit (tests/gpu checks it on random and edge values).
 
 precision.py imports this module on the first contiguous CUDA tensors it converts (where Triton does
-not import, torch's ops do the work); ANGELGPT_ZERO_CACHE_TRITON=0 keeps torch's ops.
+not import, torch's ops do the work); zero_cache.triton_codec=false keeps torch's ops.
 """
 
 

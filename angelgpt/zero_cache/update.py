@@ -100,7 +100,7 @@ class Update:
     def _update_on_device(self, c: Chunk, b: ChunkBuffers, coef: float, hyper) -> None:
         b.step += 1
         b.step_count += 1
-        for lo, hi in slices(c.numel):
+        for lo, hi in slices(c.numel, self.layout.slice_numel):
             grad = self.scratch[:hi - lo]
             grad.copy_(b.grad[lo:hi])
             self.adamw.apply(c, b, cut(b.states, lo, hi), grad, hyper, coef,

@@ -1,7 +1,6 @@
 """ZeRO-Cache on CPU under gloo with real torchrun processes: AdamW equality over every tier mix,
 training trajectory against optimizer megatron, checkpoint resume into another placement, refusals."""
 
-import importlib
 import json
 import math
 import os
@@ -17,7 +16,6 @@ from angelgpt.config import parse
 from angelgpt.planner.layout import rank_params
 from angelgpt.planner.memory import sub_group_numels
 from angelgpt.planner.plan import rank_tier_bytes
-from angelgpt.zero_cache import placement
 from tests.helpers import ROOT, check_one_line_error, resume_point, run_cli, train_tiny
 
 pytestmark = pytest.mark.distributed
@@ -119,10 +117,11 @@ def test_update_in_slices_equals_torch_adamw(tmp_path):
     device tier and on the host tier with offloaded weights, still equal torch AdamW."""
     cases = ((0.5, "false"), (0.0, "true"))
     results = adamw_checks(tmp_path, 2, *([f"zero_cache.prefetch_cache_sub_group_rate={rate}",
-                                           f"zero_cache.offload_params={offload}"] for rate, offload in cases),
-                           env_extra={"ANGELGPT_ZERO_CACHE_SLICE": "1024"})
+                                           f"zero_cache.offload_params={offload}",
+                                           "zero_cache.update_slice_numel=1024"] for rate, offload in cases))
     for (rate, _), ranks in zip(cases, results):
         for r in ranks:
+            assert set(r["scratch_numel"].values()) == {1024}, r["scratch_numel"]  # zero_cache.update_slice_numel
             assert r["first_update_max_rel_err"] < 1e-6, r
             assert r["three_updates_rel_err"] < 1e-6, r
             # a device-tier case, and a host-tier one whose layers' weights are offloaded
@@ -155,17 +154,18 @@ def test_accumulating_in_the_store_equals_torch_adamw(tmp_path, dp):
 
 
 @pytest.mark.parametrize("fraction", [0.5, 1.0])
-def test_host_chunks_updated_on_the_device_equal_torch_adamw(shared_check, monkeypatch, fraction):
+def test_host_chunks_updated_on_the_device_equal_torch_adamw(shared_check, fraction):
     """device_update_fraction: that share of the host chunks streams through the device's two update
     buffers (slices of 1024 elements, so a chunk takes several trips and slices cut through
     parameters) while the CPU updates the rest; with gradients accumulated in the store over DP=2,
     the updates still equal torch AdamW, and the planner predicts the bytes (update buffers included)."""
     variants = [["zero_cache.prefetch_cache_sub_group_rate=0.3", "zero_cache.offload_params=false",
-                 f"zero_cache.device_update_fraction={f}", "zero_cache.accumulate_in_store=true"] for f in (0.5, 1.0)]
+                 f"zero_cache.device_update_fraction={f}", "zero_cache.accumulate_in_store=true",
+                 "zero_cache.update_slice_numel=1024"] for f in (0.5, 1.0)]
     index = (0.5, 1.0).index(fraction)  # both fractions share a launch
     overrides = variants[index]
     ranks = shared_check(2, variants, index,
-                         env_extra={"ANGELGPT_ZERO_CACHE_SLICE": "1024", "ANGELGPT_CHECK_MICROBATCHES": "2"})
+                         env_extra={"ANGELGPT_CHECK_MICROBATCHES": "2"})
     cfg = parse("tiny", overrides=["optim.optimizer=zero_cache", "train.micro_batch_size=2",
                                      "train.global_batch_size=8", *overrides])
     for r in ranks:
@@ -176,29 +176,25 @@ def test_host_chunks_updated_on_the_device_equal_torch_adamw(shared_check, monke
             assert r["device_updated"] == r["host_numel"], r
         else:
             assert 0 < r["device_updated"] < r["host_numel"], r
-        for module in (placement, importlib.import_module("angelgpt.planner.zero_cache")):  # the workers' slice size
-            monkeypatch.setattr(module, "SLICE", 1024)
-        monkeypatch.setattr(placement, "DEVICE_UPDATE_SLICE", 1024)
         predicted = rank_tier_bytes(cfg, 2, r["rank"], 0.3, 1 << 50, False, model_bytes=4, fraction=fraction)[2]
         for tier in ("device", "host"):
             assert r["allocated"][tier] == predicted[tier], (tier, r["allocated"], predicted)
 
 
-def test_a_layer_split_between_device_and_host_equals_torch_adamw(tmp_path, monkeypatch):
+def test_a_layer_split_between_device_and_host_equals_torch_adamw(tmp_path):
     """Chunks smaller than a layer (here 16384 elements: a tiny layer's attention weights, its FC1 and
     its FC2 are a chunk each), so the placement puts part of a layer on the device and the rest on the
     host; with gradients accumulated in the store and half the host chunks updated on the device, the
     updates still equal torch AdamW and the planner predicts the bytes of each tier."""
     overrides = ["zero_cache.prefetch_cache_sub_group_rate=0.5", "zero_cache.accumulate_in_store=true",
-                 "zero_cache.device_update_fraction=0.5", "zero_cache.offload_params=true"]
-    ranks = adamw_check(tmp_path, 1, *overrides,
-                        env_extra={"ANGELGPT_ZERO_CACHE_CHUNK": "16384", "ANGELGPT_CHECK_MICROBATCHES": "2"})
+                 "zero_cache.device_update_fraction=0.5", "zero_cache.offload_params=true",
+                 "zero_cache.chunk_numel=16384"]
+    ranks = adamw_check(tmp_path, 1, *overrides, env_extra={"ANGELGPT_CHECK_MICROBATCHES": "2"})
     r = ranks[0]
     assert r["first_update_max_rel_err"] < 1e-6, r
     assert r["three_updates_rel_err"] < 1e-6, r
     assert r["chunks_per_group"] >= 4 and r["split_groups"], r  # three weight chunks and the biases
     assert not set(r["split_groups"]) & set(r["offloaded_layers"]), r  # a layer partly on the device keeps its weights
-    monkeypatch.setattr(placement, "CHUNK", 16384)
     cfg = parse("tiny", overrides=["optim.optimizer=zero_cache", "train.micro_batch_size=2",
                                      "train.global_batch_size=4", *overrides])
     predicted = rank_tier_bytes(cfg, 1, 0, 0.5, 1 << 50, False, model_bytes=4, fraction=0.5)[2]

@@ -154,7 +154,8 @@ def check(overrides, on_gpu: bool, device) -> dict:
               "split_groups": [gi for gi, cs in enumerate(layout.chunks_of) if len({c.tier for c in cs}) > 1],
               "chunks_per_group": max(len(cs) for cs in layout.chunks_of),
               "layer_params": [layout.dp_layouts[gi][1] * layout.dp_size for gi in offloaded],
-              "accumulate_in_store": layout.accumulate}
+              "accumulate_in_store": layout.accumulate,
+              "scratch_numel": {t: s.numel() for t, s in opt.buffers.scratch.items()}}
     return result
 
 

@@ -28,6 +28,8 @@ CASES = {
                                 "checkpoint.stop_grace_s must be > 0"),
     "wall-clock limit not positive": (["train", "--size", "tiny", "train.exit_duration_mins=-1"],
                                       "train.exit_duration_mins must be > 0"),
+    "update slice not whole fp8 blocks": (["train", "--size", "tiny", "zero_cache.update_slice_numel=1000"],
+                                          "zero_cache.update_slice_numel must be a positive multiple of 256"),
     "wall-clock limit not a number": (["train", "--size", "tiny", "train.exit_duration_mins=soon"],
                                       "train.exit_duration_mins"),
     "missing data": (["train", "--size", "tiny", "--device", "cpu", "data.paths=/nonexistent/ds"],

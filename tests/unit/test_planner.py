@@ -171,7 +171,7 @@ def test_with_nvme_the_host_fills_before_states_go_to_disk():
     numels = [100] + [1000] * 12 + [100]  # embedding, 12 layers, output
     groups = list(range(len(numels)))
     host_limit = 80_000  # gradients, scratch and staging take 40,200 B; about three chunks of states fit
-    tiers, _, need, _ = place(groups, numels, len(numels), 0.5, host_limit, True, 2, False)
+    tiers, _, need, _ = place(groups, numels, len(numels), 0.5, host_limit, True, 2, False, 1 << 26)
     assert "nvme" in tiers and "device" in tiers
     assert need["host"] <= host_limit
     chunk = STATES * 4 * max(n for n, t in zip(numels, tiers) if t == "nvme")
@@ -239,7 +239,7 @@ def test_a_layer_of_the_55_shape_is_three_chunks():
     """Weights packed into chunks of at most 2**28 elements: attention (QKV and projection), FC1, FC2,
     then the biases and norms; the placement can put part of a layer on the device."""
     cfg = parse("h200-16b", overrides=["model.num_layers=2"])
-    layer = [n for g, n in chunk_numels(rank_params(cfg), 1, 0) if g == 1]
+    layer = [n for g, n in chunk_numels(rank_params(cfg), 1, 0, cfg.zero_cache.chunk_numel) if g == 1]
     assert layer[:3] == [1 << 28] * 3 and len(layer) == 4 and layer[3] < 1 << 20, layer
 
 
