@@ -30,8 +30,9 @@ from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from angelgpt.cli.budget import gib3, host_budget, over_budget_message, run_within_host_budget
-from angelgpt.cli.rehearsal_report import exit_on_failure, gib, predicted, render_rank, this_machine
+from angelgpt.cli.rehearsal_report import RankResult, exit_on_failure, gib, predicted, render_rank, this_machine
 from angelgpt.system import GIB, git_commit, mem_available_bytes
+from angelgpt.train.rank_report import Measured, RankReport, RanOut
 
 if TYPE_CHECKING:
     from angelgpt.cli.prepare import Job
@@ -151,9 +152,9 @@ def rehearse(job: "Job", options: Options) -> None:
     with tempfile.TemporaryDirectory(prefix="angelgpt-rehearse-") as tmp:
         cmd = launch.rank_command(tmp, setup.resolved, setup.hw)
         for rank in setup.ranks:
-            report, stopped = _play(setup, rank, cmd, os.path.join(tmp, f"rank{rank}.json"))
-            results.append(report)
-            print(render_rank(report), flush=True)
+            result, stopped = _play(setup, rank, cmd, os.path.join(tmp, f"rank{rank}.json"))
+            results.append(result)
+            print(render_rank(result), flush=True)
             if stopped:  # the rest would be held to the same budget: stop here
                 break
     summary = _summary(setup, results)
@@ -162,7 +163,7 @@ def rehearse(job: "Job", options: Options) -> None:
         with open(options.report, "w") as fh:
             json.dump(summary, fh, indent=1, default=str)
         print(f"rehearsal report written to {options.report}", flush=True)
-    exit_on_failure([r for r in results if not r.get("fits")])
+    exit_on_failure([r for r in results if not r.report.fits])
     print("rehearsal: every rehearsed rank fits", flush=True)
 
 
@@ -256,8 +257,8 @@ def _print_header(s: _Setup) -> None:
         print(s.line, flush=True)
 
 
-def _play(s: _Setup, rank: int, cmd: List[str], path: str) -> Tuple[dict, bool]:
-    """(its report, whether the launcher's watcher stopped it): `rank` played by its own process
+def _play(s: _Setup, rank: int, cmd: List[str], path: str) -> Tuple[RankResult, bool]:
+    """(its result, whether the launcher's watcher stopped it): `rank` played by its own process
     (`cmd`, which writes its report to `path`), held to its host memory budget."""
     from angelgpt.planner import plan_for
     from angelgpt.train.lifetime import agent_preexec
@@ -277,40 +278,40 @@ def _play(s: _Setup, rank: int, cmd: List[str], path: str) -> Tuple[dict, bool]:
     report = _rank_report(rank, on_gpu, proc, path, over_budget_message(proc.over_bytes, limit, budget, why)
                           if proc.over_bytes is not None else None)
     for text in proc.stderr.splitlines():  # angelgpt's own warnings; the rest only on failure
-        if text.startswith("angelgpt: ") or (report.get("error") and not report.get("ran_out")):
+        if text.startswith("angelgpt: ") or (report.error and not report.ran_out):
             print(text, file=sys.stderr)
-    if report.get("coordinates") not in (None, where):
-        print(f"angelgpt: warning: rank {rank} played {report['coordinates']}, expected {where}", file=sys.stderr)
+    if report.coordinates is not None and report.coordinates != where:
+        print(f"angelgpt: warning: rank {rank} played {report.coordinates}, expected {where}", file=sys.stderr)
     here_plan = plan_for(s.resolved, s.here, job.nproc_per_node, job.nnodes, pp_rank=where["pp_rank"]) \
         if s.here else None
-    report.update(stage=kind, coordinates=where, node_rank=rank // job.nproc_per_node, gpu_cap_bytes=s.gpu_cap,
-                  host_budget_bytes=int(s.host_max_gib * GIB), host_share_bytes=s.share_bytes,
-                  host_limit_bytes=limit, host_limit=why, host_watched_peak_rss_bytes=proc.peak_rss_bytes,
-                  cpu_threads=int(env["OMP_NUM_THREADS"]), exit_code=proc.returncode,
-                  predicted=predicted(s.plans[where["pp_rank"]], here_plan, where["pp_rank"], hw.gpu_tflops,
-                                       s.here.gpu_tflops if s.here else None))
-    return report, proc.over_bytes is not None
+    result = RankResult(report, stage=kind, coordinates=where, node_rank=rank // job.nproc_per_node,
+                        gpu_cap_bytes=s.gpu_cap, host_budget_bytes=int(s.host_max_gib * GIB),
+                        host_share_bytes=s.share_bytes, host_limit_bytes=limit, host_limit=why,
+                        host_watched_peak_rss_bytes=proc.peak_rss_bytes, cpu_threads=int(env["OMP_NUM_THREADS"]),
+                        exit_code=proc.returncode,
+                        predicted=predicted(s.plans[where["pp_rank"]], here_plan, where["pp_rank"], hw.gpu_tflops,
+                                            s.here.gpu_tflops if s.here else None))
+    return result, proc.over_bytes is not None
 
 
-def _rank_report(rank: int, on_gpu: bool, proc, path: str, over: Optional[str]) -> dict:
+def _rank_report(rank: int, on_gpu: bool, proc, path: str, over: Optional[str]) -> RankReport:
     """The report the rank wrote to `path`, or what the launcher knows of it: that its watcher stopped it
     (`over`, its message), that it was killed, or its exit code."""
     device = "cuda" if on_gpu else "cpu"
     if over is not None:
-        return {"rank": rank, "fits": False, "device": device, "error": None,
-                "ran_out": {"resource": "host memory", "by": "the launcher's watcher", "message": over},
-                "measured": {"host_peak_rss_bytes": proc.peak_rss_bytes}}
+        return RankReport(rank, device, ran_out=RanOut("host memory", over, by="the launcher's watcher"),
+                          measured=Measured(proc.peak_rss_bytes))
     if os.path.isfile(path):
         with open(path) as fh:
-            return json.load(fh)
-    killed = proc.returncode == -9
-    return {"rank": rank, "fits": False, "device": device,
-            "ran_out": {"resource": "host memory", "message": "the rehearsal was killed by SIGKILL, most likely by "
-                        "the kernel's out-of-memory killer (this machine's host memory)"} if killed else None,
-            "error": None if killed else f"the rehearsal exited with code {proc.returncode}"}
+            return RankReport.from_json(json.load(fh))
+    if proc.returncode == -9:
+        return RankReport(rank, device, ran_out=RanOut("host memory", "the rehearsal was killed by SIGKILL, most "
+                                                       "likely by the kernel's out-of-memory killer (this machine's "
+                                                       "host memory)"))
+    return RankReport(rank, device, error=f"the rehearsal exited with code {proc.returncode}")
 
 
-def _summary(s: _Setup, results: List[dict]) -> dict:
+def _summary(s: _Setup, results: List[RankResult]) -> dict:
     """The rehearsal's JSON report; the planner's communication time printed beside it."""
     from angelgpt.cli import launch
     from angelgpt.planner import plan_for
@@ -331,5 +332,5 @@ def _summary(s: _Setup, results: List[dict]) -> dict:
                           "data_parallel_size": job.data_parallel_size, "steps": s.steps,
                           "device": "cuda" if job.on_gpu else "cpu",
                           "collectives": "fake (no data moved; losses meaningless)"},
-            "target": asdict(s.hw), "resolved": s.line, "fits": all(r.get("fits") for r in results),
-            "ranks": results, "predicted_communication": communication}
+            "target": asdict(s.hw), "resolved": s.line, "fits": all(r.report.fits for r in results),
+            "ranks": [r.to_json() for r in results], "predicted_communication": communication}

@@ -236,3 +236,28 @@ def test_a_cpu_rehearsal_header_names_a_target_without_a_gpu():
     assert "on a target node of 8 GPUs of 40.0 GiB, 64.0 GiB host per node;" in with_gpus
     machine = run_cli_in_process("rehearse", *job, "--machine", "a100-40gx8").stdout.splitlines()[0]
     assert "on the target a100-40gx8: 39.4 GiB per GPU, 64.0 GiB host per node;" in machine
+
+
+def test_a_ranks_report_reads_back_as_written_leaving_out_what_it_never_reached():
+    """A rank's report as JSON and back is the same report; the parts the rank never reached
+    (coordinates, config, measured) and the figures not taken are absent, not null; ran_out and error
+    are always there."""
+    import json
+
+    from angelgpt.train.rank_report import Measured, RankReport, RanOut, Step, ZeroCacheMeasured
+
+    ran = RankReport(4, "cuda", fits=True, coordinates={"tp_rank": 0, "pp_rank": 1, "dp_rank": 0},
+                     config={"resolved": {"model.recompute": "full"}},
+                     measured=Measured(10, 20, 30, 0, steps=[Step.of_record(
+                         {"iteration": 1, "forward_backward_s": 0.5, "optimizer_step_s": 0.25, "loss": float("nan"),
+                          "grad_norm": 1.0, "stepped": True, "zero_cache_profile": None})],
+                         zero_cache=ZeroCacheMeasured({"host": 5}, 2, {"host": 5}, "zero_cache: ...")))
+    stopped = RankReport(0, ran_out=RanOut("host memory", "used 3 GiB", by="the launcher's watcher"),
+                         measured=Measured(7))
+    for report in (ran, stopped, RankReport(1, error="the rehearsal exited with code 1")):
+        assert RankReport.from_json(json.loads(json.dumps(report.to_json()))) == report
+    assert ran.measured.steps[0].loss is None  # JSON has no NaN
+    assert list(ran.to_json()) == ["rank", "fits", "ran_out", "error", "coordinates", "config", "device", "measured"]
+    assert stopped.to_json() == {"rank": 0, "fits": False, "ran_out": {"resource": "host memory",
+                                 "by": "the launcher's watcher", "message": "used 3 GiB"},
+                                 "error": None, "device": "cpu", "measured": {"host_peak_rss_bytes": 7}}
