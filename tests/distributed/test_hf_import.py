@@ -5,7 +5,6 @@ process, and TP 2 over two gloo ranks); what it cannot express is refused in one
 import json
 import os
 import shutil
-from types import SimpleNamespace
 
 import pytest
 import torch
