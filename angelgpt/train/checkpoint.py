@@ -18,6 +18,7 @@ import shutil
 import time
 import zlib
 from dataclasses import replace
+from datetime import timedelta
 from pathlib import Path
 from typing import Optional, Tuple
 
@@ -98,9 +99,12 @@ class Saver:
     previous save, planning, staging, and for a synchronous save the write and finalize), and once
     finalized the write's seconds (write_s, slowest rank) and the finalize's (finalize_s)."""
 
-    def __init__(self, root: str, config: dict, keep: Optional[int], multi_slice: bool, device):
+    def __init__(self, root: str, config: dict, keep: Optional[int], multi_slice: bool, device,
+                 timeout_minutes: Optional[float] = None):
+        """timeout_minutes: how long the asynchronous writes' collectives wait for the other ranks
+        (parallel.distributed_timeout_minutes; None: gloo's default)."""
         self.root, self.config, self.keep, self.multi_slice = Path(root), config, keep, multi_slice
-        self.device = device
+        self.device, self.timeout_minutes = device, timeout_minutes
         self.pending = None  # (iteration, tmp, job, event) of the save in flight
         self.events = []
         self._told = False
@@ -154,7 +158,8 @@ class Saver:
         """The gloo group asynchronous writes run their collectives on, used by nothing else (a
         collective: made at the first asynchronous save, which every rank reaches together)."""
         if self.group is None:
-            self.group = dist.new_group(backend="gloo")
+            timeout = None if self.timeout_minutes is None else timedelta(minutes=self.timeout_minutes)
+            self.group = dist.new_group(backend="gloo", timeout=timeout)
         return self.group
 
     def room_for(self, nbytes: int, asynchronous: bool) -> bool:

@@ -255,7 +255,8 @@ class Trainer:
             from angelgpt.config import to_dict
 
             self.saver = checkpoint.Saver(cfg.checkpoint.save, to_dict(cfg), cfg.checkpoint.keep,
-                                          cfg.checkpoint.multi_slice, self.device)
+                                          cfg.checkpoint.multi_slice, self.device,
+                                          cfg.parallel.distributed_timeout_minutes)
             if cfg.checkpoint.async_save and not self.rehearsal:  # said at start: the buffer will not fit
                 from angelgpt.planner.systemplan import checkpoint_staging_bytes
 
