@@ -1,7 +1,7 @@
 """Pipeline parallelism on CPU: Megatron's 1F1B schedule under gloo (angelgpt.parallel.cpu_schedules) in
-real torchrun workers. PP 2 and TP 2 x PP 2 x DP 2 train as one rank does (every logged loss within
-1e-5) with both optimizers; the tied embedding's two copies stay equal; checkpoints move between PP 2
-and PP 1; a PP size that does not divide the layers is refused before launch."""
+real torchrun workers. TP 2 x PP 2 x DP 2 trains as one rank does (every logged loss within 1e-5) with
+both optimizers; at PP 2 alone the tied embedding's two copies stay equal and checkpoints move between
+PP 2 and PP 1; a PP size that does not divide the layers is refused before launch."""
 
 import json
 import math
@@ -24,8 +24,7 @@ OPTIMIZERS = {
     "megatron": ("optim.optimizer=megatron",),  # on CPU: CPUDataParallelAdamW
     "zero_cache-0.5": ("optim.optimizer=zero_cache", "zero_cache.prefetch_cache_sub_group_rate=0.5"),
 }
-LAYOUTS = {
-    "pp2": (2, ("parallel.pipeline_model_parallel_size=2",)),
+LAYOUTS = {  # the pipeline with TP and DP around it (PP 2 alone trains in the tied and checkpoint tests)
     "tp2-pp2-dp2": (8, ("parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2")),
 }
 CHECK = Path(__file__).with_name("pipeline_tied_check.py")
