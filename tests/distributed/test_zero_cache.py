@@ -310,16 +310,17 @@ def _flat_checkpoint(path):
     return torch.load(out, weights_only=False)
 
 
-def test_checkpoint_rate_0_resumes_with_rate_05(tmp_path):
+def test_a_checkpoint_at_rate_0_resumes_at_rate_05_in_smaller_chunks(tmp_path):
     # rate 0.0 with offloaded weights: the checkpoint reads them from their host copies
     zc = ["optim.optimizer=zero_cache", "train.train_iters=20", "zero_cache.offload_params=true"]
     full = train_tiny(tmp_path, "full", *zc, "zero_cache.prefetch_cache_sub_group_rate=0.0",
                       "checkpoint.save_interval=10", f"checkpoint.save={tmp_path / 'full'}", nproc=2)
     ck = resume_point(tmp_path / "full", 10, tmp_path / "ck")
-    # resumed with half the states on the device, and the host chunks of layers whose weights stay
-    # there (the output layer's) updated on the device
+    # resumed with half the states on the device, the host chunks of layers whose weights stay there
+    # (the output layer's) updated on the device, and chunks of at most 16384 elements (a layer's
+    # states in several chunks: the checkpoint keeps them per parameter)
     resumed = train_tiny(tmp_path, "resumed", *zc, "zero_cache.prefetch_cache_sub_group_rate=0.5",
-                         "zero_cache.device_update_fraction=1.0",
+                         "zero_cache.device_update_fraction=1.0", "zero_cache.chunk_numel=16384",
                          f"checkpoint.load={ck}", f"checkpoint.save={tmp_path / 'resumed'}", nproc=2)
     _assert_resumed_like_uninterrupted(tmp_path, full, resumed, 20)
 
