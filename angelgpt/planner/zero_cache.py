@@ -158,9 +158,10 @@ def _memory(cfg: Config, dp: int, params, in_flight: int, store):
     for n in offloaded + [n for n, s in zip(numels, streamed) if s]:  # no upload buffer: fetched, or device-updated
         uploads.remove(n)
     remainders, _ = states_per_element(cfg)
+    upload_numel = min(max(uploads), cfg.zero_cache.update_slice_numel) if uploads else 0
     host = {
         "host_states": tb["host"],
-        "upload_buffers": upload_buffers(remainders) * min(max(uploads), cfg.zero_cache.update_slice_numel) * MODEL_BYTES if uploads else 0,
+        "upload_buffers": upload_buffers(remainders) * upload_numel * MODEL_BYTES,
         "process": HOST_PROCESS,
     }
     return gpu, host

@@ -44,6 +44,7 @@ from megatron.core.dist_checkpointing.strategies.torch import (
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from angelgpt.system import mem_available_bytes
+from angelgpt.zero_cache.tiers import page_lock
 
 
 class _CRCStream:
@@ -92,16 +93,6 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _clear_cuda_error() -> None:
-    """A failed CUDA runtime call (here cudaHostRegister, whose error torch hands back unchecked) leaves
-    its error as the thread's last error, which the check after the next kernel launch would raise as
-    that kernel's: a launch here reads, and so clears, it."""
-    try:
-        torch.zeros(1, device=torch.cuda.current_device())
-    except RuntimeError:
-        pass
-
-
 class HostStaging:
     """The host memory asynchronous saves stage into: one buffer, allocated at the first save and kept
     for the next ones (grown when a save needs more), page-locked in place where CUDA runs so that the
@@ -120,10 +111,7 @@ class HostStaging:
             self.close()
             self.buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8)
             if torch.cuda.is_available() and torch.cuda.is_initialized():
-                err = torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), self.buffer.numel(), 0)
-                self.pinned = int(getattr(err, "value", err)) == 0  # else pageable: slower, still correct
-                if not self.pinned:
-                    _clear_cuda_error()
+                self.pinned = page_lock(self.buffer) == 0  # else pageable: slower, still correct
         return self.buffer
 
     def close(self) -> None:

@@ -105,8 +105,8 @@ def tier_bytes(numels: List[int], tiers: List[str], grad_bytes: int, slice_numel
                states: int = FP32_STATE_BYTES) -> Dict[str, int]:
     """Bytes each tier holds for chunks of these sizes and tiers: the states (`states` bytes an
     element: state_bytes) where the chunk lives, its gradient on the device (device chunks) or host,
-    one fp32 update scratch of `slice_numel` elements at most per updating tier (and, where the states are not all fp32, three fp32 rows
-    to decode them into), NVMe staging (two buffers of the largest NVMe chunk's states) on the host.
+    one fp32 update scratch of at most `slice_numel` elements per updating tier (and, where the states
+    are not all fp32, three fp32 rows to decode them into), NVMe staging (two buffers of the largest NVMe chunk's states) on the host.
     The planner uses this too."""
     need = {"device": 0, "host": 0, "nvme": 0}
     for n, t in zip(numels, tiers):

@@ -22,6 +22,21 @@ from angelgpt.config import ConfigError
 from angelgpt.system import GIB, mem_available_bytes, try_lock  # noqa: F401 (re-exported for callers)
 
 
+def page_lock(buf: torch.Tensor) -> int:
+    """Page-locks a host tensor in place (cudaHostRegister, at its exact size); its CUDA error code, 0 when
+    locked. A failure is cleared here: torch hands the call's error back unchecked, and left as the
+    thread's last CUDA error the check after the next kernel launch would raise it as that kernel's, so a
+    launch here reads, and so clears, it."""
+    err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel() * buf.element_size(), 0)
+    err = int(getattr(err, "value", err))
+    if err:
+        try:
+            torch.zeros(1, device=torch.cuda.current_device())
+        except RuntimeError:
+            pass
+    return err
+
+
 class DeviceTier:
     name = "device"
 
@@ -55,8 +70,8 @@ class HostTier:
         self.bytes += nbytes
         buf = torch.zeros(numel, dtype=dtype)
         if pinned and self.pin and nbytes:
-            err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0)
-            if int(getattr(err, "value", err)) != 0:
+            err = page_lock(buf)
+            if err:
                 raise MemoryError(f"zero_cache: could not pin {nbytes / GIB:.2f} GiB of host memory "
                                   f"(cudaHostRegister error {err}); {self.pinned_bytes / GIB:.2f} GiB pinned so far")
             self.pinned_bytes += nbytes
