@@ -34,6 +34,8 @@
 # is stopped at the budget. Estimates at 4 iterations, from the wall times of the earlier result files:
 # a7 55, d7 50, b11 112, d11 68, a8 60 (about 40 if it runs out of memory again), d19 118: 463 s; a8m1 or
 # d8 60 more: about 525 s in all.
+# ONLY="KEY ..." runs those cases alone (a7 d7 d16: the 7-layer pair and d16, zero_cache at 16 layers, micro
+# batch 2, model.recompute=auto, about 165 s at 5 iterations; d16 runs only when named).
 # A case that breaks (no result file, or a failure other than running out of memory or a refusal) stops
 # the rest; d7 and d11 run only when their partner completed (their ratio needs both from this call).
 set -u
@@ -104,6 +106,7 @@ skip() {
 case_() {
   local key=$1 est=$2 reserve=$3 spec=$4 need=${5:-}
   local left=$((budget - (SECONDS - start)))
+  if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $key "* ]]; then state[$key]=skipped; return; fi
   if [ -n "$broken" ]; then skip "$key" "$broken broke"; return; fi
   if [ -n "$need" ] && [ "${state[$need]:-}" != ok ]; then
     skip "$key" "$need did not complete (${state[$need]:-not run}): no ratio from this call"; return
@@ -131,6 +134,13 @@ if [ "$family" = llama ]; then
   case_ z24 120 0 "zero_cache:24:1:32:model.recompute=auto" m24
   case_ z32 140 0 "zero_cache:32:1:32:model.recompute=auto"
   case_ z44 190 0 "zero_cache:44:1:32:model.recompute=auto"
+  [ -z "$broken" ]
+  exit
+fi
+if [ -n "${ONLY:-}" ]; then
+  case_ a7 60 0 "megatron:7:2:32:model.recompute=none"
+  case_ d7 55 0 "zero_cache:7:2:32:model.recompute=none" a7
+  case_ d16 165 0 "zero_cache:16:2:32:model.recompute=auto"
   [ -z "$broken" ]
   exit
 fi
