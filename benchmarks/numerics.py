@@ -33,6 +33,7 @@ import tempfile
 from pathlib import Path
 from typing import List, Optional
 
+from angelgpt.config.schema import TrainConfig
 from benchmarks.results import RESULTS, invocation, stamp, write_result
 
 VOCAB = 32000
@@ -176,6 +177,40 @@ def compare(results: List[dict]) -> List[str]:
     return lines
 
 
+def _seed(result: dict) -> int:
+    """The run's train.seed (its last override, else the config's default)."""
+    seeds = [o.split("=", 1)[1] for o in result.get("overrides", []) if o.startswith("train.seed=")]
+    return int(seeds[-1]) if seeds else TrainConfig().seed
+
+
+def spread(results: List[dict]) -> List[str]:
+    """Markdown lines: each format's last validation loss at every seed, its seed-to-seed range, and its
+    difference from the first format's run of the same seed (the format: a run's overrides other than
+    train.seed). Only runs that completed count; a format missing a seed the first has is said so."""
+    formats: dict = {}
+    for r in results:
+        if r.get("returncode") != 0 or not r.get("val_loss"):
+            continue
+        fmt = " ".join(o for o in r.get("overrides", []) if not o.startswith("train.seed=")) or "-"
+        formats.setdefault(fmt, {})[_seed(r)] = r["val_loss"][-1]
+    if not formats:
+        return ["no completed run"]
+    base = next(iter(formats.values()))
+    seeds = sorted({s for runs in formats.values() for s in runs})
+    lines = [f"| format | {' | '.join(f'seed {s}' for s in seeds)} | seed-to-seed range | against "
+             f"the first, same seed (mean; min to max) |", "|---" * (len(seeds) + 3) + "|"]
+    for fmt, runs in formats.items():
+        losses = [runs[s][1] for s in seeds if s in runs]
+        cells = [f"{runs[s][1]:.4f} (it {runs[s][0]})" if s in runs else "not run" for s in seeds]
+        rng = f"{100 * (max(losses) - min(losses)) / (sum(losses) / len(losses)):.2f}%"
+        diffs = [100 * (runs[s][1] - base[s][1]) / base[s][1] for s in seeds if s in runs and s in base
+                 and runs[s][0] == base[s][0]]
+        against = (f"{sum(diffs) / len(diffs):+.2f}%; {min(diffs):+.2f}% to {max(diffs):+.2f}%" if diffs
+                   else "no run of the same seed and length")
+        lines.append(f"| {fmt} | {' | '.join(cells)} | {rng} | {against} |")
+    return lines
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.numerics", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -197,6 +232,9 @@ def main(argv=None) -> int:
     q = sub.add_parser("plot", help="the validation curves of result files, side by side")
     q.add_argument("files", nargs="+", type=Path)
     q.add_argument("--out", type=Path, required=True)
+    d = sub.add_parser("spread", help="each format's last validation loss at every seed, and its seed-to-seed "
+                       "range (a markdown table)")
+    d.add_argument("files", nargs="+", type=Path)
     args = ap.parse_args(argv)
     try:
         return _main(args)
@@ -219,6 +257,9 @@ def _main(args) -> int:
         if missing:
             raise BadInput(f"no result file {missing[0]}")
         results = [json.loads(f.read_text()) for f in args.files]
+        if args.cmd == "spread":
+            print("\n".join(spread(results)))
+            return 0
         args.out.write_text(svg({r["name"]: r["val_loss"] for r in results}, "validation loss, same seed and batches"))
         print("\n".join(compare(results)))
     return 0

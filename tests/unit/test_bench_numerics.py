@@ -2,7 +2,7 @@
 
 import pytest
 
-from benchmarks.numerics import compare, corpus_files, main, svg
+from benchmarks.numerics import compare, corpus_files, main, spread, svg
 
 
 def test_the_corpus_is_the_standard_librarys_source_without_installed_packages(tmp_path):
@@ -23,6 +23,21 @@ def test_runs_are_compared_with_the_first_and_drawn_one_line_each():
                              "cut: validation loss 4.2000 at iteration 100, +5.00% against fp32 (stopped: time limit)"]
     drawing = svg({r["name"]: r["val_loss"] for r in runs}, "t")
     assert drawing.startswith("<svg") and drawing.count("<polyline") == 4 and ">bf16<" in drawing
+
+
+def test_the_spread_groups_runs_by_format_and_compares_each_seed_with_the_first_formats():
+    def run(seed, loss, *fmt, returncode=0):
+        return {"returncode": returncode, "val_loss": [[100, 9.0], [600, loss]],
+                "overrides": ["model.num_layers=4", *([f"train.seed={seed}"] if seed else []), *fmt]}
+    fp8 = ("optim.exp_avg_dtype=fp8",)
+    lines = spread([run(None, 4.0), run(1235, 4.2), run(1236, 3.8), run(1235, 4.2 * 1.02, *fp8),
+                    run(None, 4.0 * 0.99, *fp8), run(1236, 9.9, *fp8, returncode=1)])
+    assert lines[0].startswith("| format | seed 1234 | seed 1235 | seed 1236 | seed-to-seed range |")
+    assert lines[2] == ("| model.num_layers=4 | 4.0000 (it 600) | 4.2000 (it 600) | 3.8000 (it 600) | 10.00% | "
+                        "+0.00%; +0.00% to +0.00% |")
+    assert lines[3] == ("| model.num_layers=4 optim.exp_avg_dtype=fp8 | 3.9600 (it 600) | 4.2840 (it 600) | not run | "
+                        "7.86% | +0.50%; -1.00% to +2.00% |")
+    assert spread([run(1, 4.0, returncode="time limit")]) == ["no completed run"]
 
 
 @pytest.mark.subprocess
