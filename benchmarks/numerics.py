@@ -186,12 +186,13 @@ def _seed(result: dict) -> int:
 def spread(results: List[dict]) -> List[str]:
     """Markdown lines: each format's last validation loss at every seed, its seed-to-seed range, and its
     difference from the first format's run of the same seed (the format: a run's overrides other than
-    train.seed). Only runs that completed count; a format missing a seed the first has is said so."""
+    train.seed and those every run has; "-": none). Only runs that completed count; a format missing a seed
+    is said so."""
+    done = [r for r in results if r.get("returncode") == 0 and r.get("val_loss")]
+    common = set.intersection(*(set(r.get("overrides", [])) for r in done)) if done else set()
     formats: dict = {}
-    for r in results:
-        if r.get("returncode") != 0 or not r.get("val_loss"):
-            continue
-        fmt = " ".join(o for o in r.get("overrides", []) if not o.startswith("train.seed=")) or "-"
+    for r in done:
+        fmt = " ".join(o for o in r.get("overrides", []) if not o.startswith("train.seed=") and o not in common) or "-"
         formats.setdefault(fmt, {})[_seed(r)] = r["val_loss"][-1]
     if not formats:
         return ["no completed run"]

@@ -33,9 +33,9 @@ def test_the_spread_groups_runs_by_format_and_compares_each_seed_with_the_first_
     lines = spread([run(None, 4.0), run(1235, 4.2), run(1236, 3.8), run(1235, 4.2 * 1.02, *fp8),
                     run(None, 4.0 * 0.99, *fp8), run(1236, 9.9, *fp8, returncode=1)])
     assert lines[0].startswith("| format | seed 1234 | seed 1235 | seed 1236 | seed-to-seed range |")
-    assert lines[2] == ("| model.num_layers=4 | 4.0000 (it 600) | 4.2000 (it 600) | 3.8000 (it 600) | 10.00% | "
+    assert lines[2] == ("| - | 4.0000 (it 600) | 4.2000 (it 600) | 3.8000 (it 600) | 10.00% | "
                         "+0.00%; +0.00% to +0.00% |")
-    assert lines[3] == ("| model.num_layers=4 optim.exp_avg_dtype=fp8 | 3.9600 (it 600) | 4.2840 (it 600) | not run | "
+    assert lines[3] == ("| optim.exp_avg_dtype=fp8 | 3.9600 (it 600) | 4.2840 (it 600) | not run | "
                         "7.86% | +0.50%; -1.00% to +2.00% |")
     assert spread([run(1, 4.0, returncode="time limit")]) == ["no completed run"]
 
