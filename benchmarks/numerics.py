@@ -244,6 +244,19 @@ def main(argv=None) -> int:
         return 2
 
 
+def _result(path: Path) -> dict:
+    """A result file of `run` (a JSON object with its name and validation curve), else BadInput."""
+    if not path.is_file():
+        raise BadInput(f"no result file {path}")
+    try:
+        result = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        result = None
+    if not isinstance(result, dict) or not {"name", "val_loss"} <= result.keys():
+        raise BadInput(f"{path} is not a result file of `python -m benchmarks.numerics run`")
+    return result
+
+
 def _main(args) -> int:
     if args.cmd == "prepare":
         print(json.dumps(prepare(args.out, args.stdlib, args.vocab_size)))
@@ -254,10 +267,7 @@ def _main(args) -> int:
         print(f"{path}: " + compare([result])[0])
         return 0 if result["returncode"] == 0 else 1
     else:
-        missing = [str(f) for f in args.files if not f.is_file()]
-        if missing:
-            raise BadInput(f"no result file {missing[0]}")
-        results = [json.loads(f.read_text()) for f in args.files]
+        results = [_result(f) for f in args.files]
         if args.cmd == "spread":
             print("\n".join(spread(results)))
             return 0

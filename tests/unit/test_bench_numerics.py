@@ -69,7 +69,14 @@ def test_a_run_past_its_time_limit_is_stopped_with_its_children():
 
 
 def test_bad_input_is_one_line_and_exit_2_with_nothing_written(tmp_path, capsys):
-    for args, needle in ((["prepare", "--out", str(tmp_path / "p"), "--stdlib", str(tmp_path / "none")], "no Python source"),
+    given = tmp_path.parent / f"{tmp_path.name}-given"
+    given.mkdir()
+    (given / "text.json").write_text("not JSON")
+    (given / "list.json").write_text("[1, 2]")
+    for args, needle in ((["spread", str(given / "text.json")], "text.json is not a result file"),
+                         (["spread", str(given / "list.json")], "list.json is not a result file"),
+                         (["plot", str(given / "text.json"), "--out", str(tmp_path / "x.svg")], "is not a result file"),
+                         (["prepare", "--out", str(tmp_path / "p"), "--stdlib", str(tmp_path / "none")], "no Python source"),
                          (["run", "--name", "x", "--data", str(tmp_path / "none"), "--out", str(tmp_path / "r")],
                           "no manifest.json"),
                          (["plot", str(tmp_path / "none.json"), "--out", str(tmp_path / "x.svg")], "no result file")):
