@@ -8,6 +8,8 @@
 # (or goes; default /tmp/numerics-data, lost with the machine: prepare it where it is cheaper, as
 # `python -m benchmarks.numerics prepare --out .numerics-data`, and carry it). A 10-minute call may hold
 # one or two formats at 2000 iterations run one after another, three side by side (NUMERICS_CONCURRENT=1).
+# NUMERICS_SEEDS="1235 1236": a run per format and seed (train.seed=SEED, named numerics-seedSEED-FORMAT);
+# without it one run per format at the config's seed, named numerics-FORMAT.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: numerics_runs.sh OUT [ITERS] [FORMAT...]}
@@ -23,16 +25,18 @@ data=${NUMERICS_DATA:-/tmp/numerics-data}
 concurrent=${NUMERICS_CONCURRENT:-0}
 limit=${NUMERICS_TIME_LIMIT:+--time-limit $NUMERICS_TIME_LIMIT}
 [ -f "$data/manifest.json" ] || python3 -m benchmarks.numerics prepare --out "$data"
+seeds=${NUMERICS_SEEDS:-}
 lines=$(mktemp -d)
 if [ "$concurrent" = 1 ]; then
-  n=$(echo ${formats[*]} | wc -w)
+  n=$(( $(echo ${formats[*]} | wc -w) * $(echo ${seeds:-one} | wc -w) ))
   export OMP_NUM_THREADS=$(( $(nproc) / n > 0 ? $(nproc) / n : 1 ))
 fi
-# one FORMAT LINE_FILE OVERRIDES...: a run; its last line (the result file it wrote, then the comparison;
-# a run again of a format: NAME-runN.json) into LINE_FILE
-one() { python3 -m benchmarks.numerics run --name "numerics-$1" --data "$data" --iters "$iters" --out "$out" \
+# one NAME LINE_FILE OVERRIDES...: a run; its last line (the result file it wrote, then the comparison;
+# a run again of a name: NAME-runN.json) into LINE_FILE
+one() { python3 -m benchmarks.numerics run --name "$1" --data "$data" --iters "$iters" --out "$out" \
         $limit -- "${@:3}" | tail -1 > "$2" || true; }
 k=0
+for seed in ${seeds:-none}; do
 for f in ${formats[*]}; do
   case $f in
     fp32) extra=() ;;
@@ -42,8 +46,10 @@ for f in ${formats[*]}; do
     remainders-fp8-moments) extra=(optim.store_param_remainders=true optim.exp_avg_dtype=fp8 optim.exp_avg_sq_dtype=fp8) ;;
     *) echo "numerics_runs.sh: unknown format $f" >&2; exit 2 ;;
   esac
+  if [ "$seed" != none ]; then name=numerics-seed$seed-$f extra+=(train.seed=$seed); else name=numerics-$f; fi
   k=$((k + 1))
-  if [ "$concurrent" = 1 ]; then one "$f" "$lines/$k" "${extra[@]}" & sleep 5; else one "$f" "$lines/$k" "${extra[@]}"; fi
+  if [ "$concurrent" = 1 ]; then one "$name" "$lines/$k" "${extra[@]}" & sleep 5; else one "$name" "$lines/$k" "${extra[@]}"; fi
+done
 done
 wait
 written=()
