@@ -578,9 +578,11 @@ class TrainConfig:
     """Stop (saving first when checkpoint.save is set) once the iteration is a multiple of this."""
     exit_duration_mins: Optional[Float] = None
     """Wall-clock limit of the job in minutes, counted from the launcher's start (Megatron's
-    --exit-duration-in-mins): at the last iteration boundary that leaves time for one more iteration
-    and a save, half again for safety and at least 2 s (the last save's measured duration; before any
-    save, 16 bytes per parameter of the rank at 1 GB/s), every rank saves (when checkpoint.save is set) and the job exits 0. None: no limit."""
+    --exit-duration-in-mins): at the last iteration boundary that leaves time for what is due at it
+    (an interval save, an evaluation), one more iteration, and the evaluation and save a stop ends with,
+    half again for safety and at least 2 s (the last save's and evaluation's measured durations; before
+    any save, 16 bytes per parameter of the rank at 1 GB/s), every rank saves (when checkpoint.save is
+    set) and the job exits 0. None: no limit."""
     eval_interval: Optional[int] = None
     """Compute validation loss every N iterations; None never."""
     max_consecutive_skips: int = 10

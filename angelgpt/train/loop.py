@@ -19,7 +19,7 @@ from angelgpt.parallel.log import EVERY_RANK, get_logger
 from angelgpt.optimizer import Optimizer
 from angelgpt.train import checkpoint
 from angelgpt.train.checkpoint_check import resume_root
-from angelgpt.train.stop import RESERVE_FACTOR, RESERVE_MIN_S, RunControl, report_stop, save_estimate_s
+from angelgpt.train.stop import RunControl, report_stop, reserve_s, save_estimate_s
 from angelgpt.train.metrics import MetricsWriter, Profiling, gpu_alloc_retries, gpu_memory_gib, host_memory_gib
 
 log = get_logger(__name__)
@@ -164,14 +164,13 @@ class Trainer:
                     and parallel_state.get_data_parallel_rank() == 0)
         self.owns_log = owns_log
         self.writer = None
-        self.iteration = 0
-        self.consumed = 0
-        self.skipped = 0
+        self.iteration = self.consumed = self.skipped = 0  # iterations done, samples consumed, skipped
         # a rehearsal (fake collectives: losses and norms are meaningless, non-finite ones included)
         # neither skips nor aborts on them, and records each iteration's times (device synchronized)
         self.rehearsal = rehearsal
         self.records: List[dict] = []
         self.saver = None  # checkpoint.Saver of checkpoint.save, made by train()
+        self.last_eval_s = None  # the last evaluation's seconds, for the wall-clock limit's reserve
         self.trained = False  # whether this process trained an iteration (a stop may come before)
 
     def _clock(self) -> float:
@@ -193,11 +192,13 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
+        started = time.perf_counter()
         self.model.eval()
         it = micro_batches(self.valid_ds, 0, self.cfg.train.micro_batch_size,
                            parallel_state.get_data_parallel_rank(), self.dp, self.device)
         losses = [_mean_loss(self._run(it, forward_only=True), self.device) for _ in range(self.cfg.train.eval_iters)]
         self.model.train()
+        self.last_eval_s = time.perf_counter() - started
         return sum(losses) / len(losses)
 
     def maybe_resume(self) -> None:
@@ -290,14 +291,16 @@ class Trainer:
         return loss
 
     def _reserve_s(self, iteration_s: float) -> float:
-        """Seconds the wall-clock limit must leave at a boundary: one more iteration and a save (the last
-        save's measured time, else an estimate from this rank's parameters), half again for safety, at
-        least RESERVE_MIN_S."""
-        save_s = 0.0
-        if self.cfg.checkpoint.save:
-            save_s = (self.saver.last_save_s if self.saver is not None and self.saver.last_save_s is not None
-                      else save_estimate_s(sum(p.numel() for p in self.model.parameters())))
-        return max(RESERVE_MIN_S, RESERVE_FACTOR * (iteration_s + save_s))
+        """stop.reserve_s at this boundary: the last save's and evaluation's seconds (before one was measured,
+        an estimate from this rank's parameters, and a third of an iteration per validation batch)."""
+        ck, tr = self.cfg.checkpoint, self.cfg.train
+        measured = self.saver.last_save_s if self.saver is not None else None
+        save_s = 0.0 if not ck.save else measured if measured is not None else save_estimate_s(
+            sum(p.numel() for p in self.model.parameters()))
+        eval_s = 0.0 if not (tr.eval_interval and self.valid_ds) else (
+            self.last_eval_s if self.last_eval_s is not None else tr.eval_iters * iteration_s / 3)
+        return reserve_s(iteration_s, save_s, eval_s, bool(ck.save_interval and self.iteration % ck.save_interval == 0),
+                         bool(tr.eval_interval and self.iteration % tr.eval_interval == 0))
 
     def _step(self, it):
         """One iteration's forward, backward and optimizer step; a non-finite loss on any rank leaves the

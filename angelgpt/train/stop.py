@@ -23,7 +23,7 @@ JOB_START_ENV = "ANGELGPT_JOB_START"  # set by the launcher: the job's start (ti
 DEFAULT_GRACE_S = 900.0  # until the config is read (checkpoint.stop_grace_s)
 SAVE_ESTIMATE_BYTES_PER_PARAM = 16  # before a save was measured: bf16 weight, fp32 master, two moments...
 SAVE_ESTIMATE_BYTES_PER_S = 1e9  # ... written at 1 GB/s
-RESERVE_FACTOR = 1.5  # the wall-clock limit leaves one more iteration and a save, half again for safety,
+RESERVE_FACTOR = 1.5  # the wall-clock limit's reserve (reserve_s) is half again what it must hold,
 RESERVE_MIN_S = 2.0  # and at least this (a tiny model's iteration and save are shorter than a pause)
 
 SIGNAL = 1  # reasons, in the order the agreed (largest) one is told
@@ -83,7 +83,7 @@ class RunControl:
 
     def stop_requested(self, device, reserve_s: float = 0.0) -> bool:
         """True on every rank once any rank has been asked to stop, or once the wall-clock limit leaves
-        less than `reserve_s` (one more iteration and a save) on any rank. A collective."""
+        less than `reserve_s` seconds (the function reserve_s: what they hold) on any rank. A collective."""
         import torch
         import torch.distributed as dist
 
@@ -98,6 +98,15 @@ class RunControl:
         if reason == DURATION:
             return f"train.exit_duration_mins: {(self.deadline - self.job_start) / 60.0:g} min"
         return self._requested_by() or "stop requested on another rank"
+
+
+def reserve_s(iteration_s: float, save_s: float, eval_s: float, save_due: bool, eval_due: bool) -> float:
+    """Seconds an iteration boundary must leave before the wall-clock limit for the run to go on: what
+    is due at it anyway (an interval save, an evaluation), one more iteration, and the evaluation and
+    save a stop ends with; half again for safety, at least RESERVE_MIN_S. save_s and eval_s are 0 for a
+    run that does neither."""
+    due = (save_s if save_due else 0.0) + (eval_s if eval_due else 0.0)
+    return max(RESERVE_MIN_S, RESERVE_FACTOR * (due + iteration_s + eval_s + save_s))
 
 
 def save_estimate_s(local_params: int) -> float:
