@@ -26,12 +26,14 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+from torch.distributed.checkpoint import CheckpointException
 
 from angelgpt import parallel
 from angelgpt.config import ConfigError
 from angelgpt.parallel.log import get_logger
 from angelgpt.system import GIB
 from angelgpt.train.checkpoint_check import MANIFEST, TRACKER, find_checkpoint, latest_iteration  # noqa: F401
+from angelgpt.train.checkpoint_check import manifest as read_manifest
 from angelgpt.train.checkpoint_check import iter_dir as _iter_dir
 from angelgpt.train.checkpoint_state import checkpoint_state, module_of, set_rng_state
 from angelgpt.train.checkpoint_writer import HostStaging, ShardsStrategy, WriteJob, host_memory_available
@@ -286,6 +288,28 @@ def _saved_layout(path: Path) -> Optional[Tuple[int, int]]:
         return None
 
 
+def _missing_key(exc: CheckpointException) -> Optional[str]:
+    """The first key this run asked for that the checkpoint does not hold (Megatron's KeyError
+    "KEY from model not in state dict" on a rank), None for any other failure."""
+    for error, _ in exc.failures.values():
+        text = error.args[0] if isinstance(error, KeyError) and error.args else ""
+        if isinstance(text, str) and " from model not in state dict" in text:
+            return text.split(" from model not in state dict")[0]
+    return None
+
+
+def _not_this_runs_state(root: str, path: Path, missing: str) -> str:
+    """Why a checkpoint of the same model does not load: another optimizer (or device) laid out its
+    state; what it was saved with, and the two ways on."""
+    saved = read_manifest(path).get("config") or {}
+    optimizer = (saved.get("optim") or {}).get("optimizer", "?")
+    device = (saved.get("train") or {}).get("device", "?")
+    return (f"checkpoint.load {root}: {path.name} lacks what this run loads ('{missing}'): it was saved with "
+            f"optim.optimizer={optimizer} on {device}, and each optimizer lays out the model and its states its "
+            f"own way; resume it with that optimizer, or carry its weights to another: angelgpt export --load "
+            f"{root} --output HF_DIR, then angelgpt import --hf HF_DIR --save NEW_DIR and train with --load NEW_DIR")
+
+
 def load(root: str, model, optimizer, scheduler) -> Tuple[int, int]:
     """Loads the latest checkpoint under root into model/optimizer/scheduler; returns (iteration, consumed)."""
     path = find_checkpoint(root, what="checkpoint.load")
@@ -318,7 +342,13 @@ def load(root: str, model, optimizer, scheduler) -> Tuple[int, int]:
         # another (PP, TP) layout: ranks read RNG objects some of which none of them covers, which the
         # integrity check refuses; the RNG states come in a request of their own, unchecked
         rng_request = {"rng_state": request.pop("rng_state")} if resharding else None
-        state = dist_checkpointing.load(request, str(path))
+        try:
+            state = dist_checkpointing.load(request, str(path))
+        except CheckpointException as exc:  # raised on every rank alike (DCP scatters the failures)
+            missing = _missing_key(exc)
+            if missing is None:
+                raise
+            raise ConfigError(_not_this_runs_state(root, path, missing)) from None
         if rng_request:
             # (the answer holds the checkpoint's common state too: only the RNG is taken)
             state["rng_state"] = dist_checkpointing.load(rng_request, str(path),

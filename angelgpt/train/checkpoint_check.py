@@ -20,7 +20,8 @@ MANIFEST = "manifest.json"
 # the model fields that set a parameter's shape (or whether it exists), in the order a mismatch is named;
 # the padded vocabulary is compared after them, seq_length only with learned position embeddings
 SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
-                "ffn_hidden_size", "position_embedding_type", "untie_embeddings_and_output_weights")
+                "ffn_hidden_size", "swiglu", "normalization", "add_bias_linear", "add_qkv_bias",
+                "position_embedding_type", "untie_embeddings_and_output_weights")
 
 
 def iter_dir(root: Path, iteration: int) -> Path:

@@ -102,6 +102,8 @@ def test_missing_empty_or_unfinished_load_is_refused_before_launch(saved, tmp_pa
     ("model.vocab_size=1024", "model.vocab_size: checkpoint 512, config 1024"),
     ("model.untie_embeddings_and_output_weights=true",
      "model.untie_embeddings_and_output_weights: checkpoint False, config True"),
+    ("model.add_bias_linear=false", "model.add_bias_linear: checkpoint True, config False"),
+    ("model.normalization=RMSNorm", "model.normalization: checkpoint LayerNorm, config RMSNorm"),
 ])
 def test_load_of_another_model_is_one_line_naming_the_field(saved, override, line):
     proc, seconds = _train(f"--load={saved}", f"train.train_iters={EXTENDED}", override)
@@ -117,6 +119,25 @@ def test_fields_that_may_change_on_resume_pass_the_check(saved, tmp_path):
                      "--dry-run")
     assert proc.returncode == 0, proc.stderr
     assert "torchrun command" in proc.stdout
+
+
+def test_another_optimizers_checkpoint_is_one_line_and_its_weights_carry_over_by_export_and_import(saved, tmp_path):
+    """The CPU data-parallel AdamW (optimizer megatron on CPU) and ZeRO-Cache lay out the model and its
+    states otherwise: a resume with the other is refused by the workers in one line that names the saving
+    optimizer and the way on, export then import, which this test follows to a run that trains."""
+    proc, _ = _train(f"--load={saved}", f"--save={tmp_path / 'ck'}", f"train.train_iters={EXTENDED}",
+                     "optim.optimizer=zero_cache")
+    check_one_line_error(proc, f"checkpoint.load {saved}: iter_{N:07d} lacks what this run loads", in_worker=True)
+    assert "it was saved with optim.optimizer=megatron on cpu, and each optimizer lays out" in proc.stderr
+    assert f"angelgpt export --load {saved} --output HF_DIR, then angelgpt import --hf HF_DIR" in proc.stderr
+    assert not (tmp_path / "ck" / "latest_checkpointed_iteration.txt").exists()
+    hf, imported = tmp_path / "hf", tmp_path / "imported"
+    for args in (["export", "--load", saved, "--output", hf], ["import", "--hf", hf, "--save", imported]):
+        done = run_cli(*args)
+        assert done.returncode == 0, done.stderr[-2000:]
+    metrics = train_tiny(tmp_path, "carried", f"--config={imported / 'config.yaml'}", f"--load={imported}",
+                         "optim.optimizer=zero_cache", "train.train_iters=2")
+    assert [r["iteration"] for r in metrics] == [1, 2]
 
 
 def test_save_directory_of_another_model_is_refused_before_launch(saved, tmp_path):

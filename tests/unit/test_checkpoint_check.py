@@ -37,3 +37,19 @@ def test_seq_length_counts_only_with_learned_position_embeddings():
     rope = _config("model.position_embedding_type=rope")
     assert model_mismatch(rope, _config("model.position_embedding_type=rope", "model.seq_length=128")) is None
     assert model_mismatch(_config(), _config("model.seq_length=128")) == "model.seq_length: checkpoint 64, config 128"
+
+
+def test_an_architecture_switch_that_adds_or_reshapes_parameters_is_named():
+    """SwiGLU doubles fc1's rows; RMSNorm has no bias where LayerNorm has one; linear and QKV biases
+    exist or not. A rotary base is no parameter: a run may resume with another (context extension)."""
+    saved = to_dict(parse("llama-tiny", None, []))
+    llama = lambda *o: to_dict(parse("llama-tiny", None, list(o)))  # noqa: E731
+    assert model_mismatch(saved, llama("model.swiglu=false")) == "model.swiglu: checkpoint True, config False"
+    assert model_mismatch(saved, llama("model.normalization=LayerNorm")) == \
+        "model.normalization: checkpoint RMSNorm, config LayerNorm"
+    assert model_mismatch(saved, llama("model.add_bias_linear=true")) == \
+        "model.add_bias_linear: checkpoint False, config True"
+    assert model_mismatch(saved, llama("model.add_qkv_bias=true")) == "model.add_qkv_bias: checkpoint False, config True"
+    assert model_mismatch(saved, llama("model.rotary_base=1000000")) is None
+    older = {**saved, "model": {k: v for k, v in saved["model"].items() if k != "swiglu"}}
+    assert model_mismatch(older, llama("model.swiglu=false")) is None  # a field the checkpoint lacks is not compared
