@@ -137,6 +137,10 @@ class ModelConfig:
     """Gated SiLU MLP (Megatron's gated_linear_unit with activation_func silu): linear_fc1 makes
     2 * ffn_hidden_size outputs, silu(gate) * up, and linear_fc2 takes ffn_hidden_size back to
     hidden_size. False: GELU MLP (GPT-2)."""
+    openai_gelu: bool = False
+    """The GELU MLP with GELU's tanh approximation, as OpenAI's GPT-2 computes it (transformers'
+    'gelu_new'; Megatron-LM's --openai-gelu). False: the exact GELU (transformers' 'gelu'). Not with
+    swiglu."""
     normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
     """'LayerNorm' (weight and bias, GPT-2) or 'RMSNorm' (weight only, Llama): the layers' two norms and
     the final one."""
@@ -205,6 +209,8 @@ class ModelConfig:
         if self.ffn_hidden_size is None:  # Megatron-LM's defaults
             self.ffn_hidden_size = int(8 * self.hidden_size / 3 / 64) * 64 if self.swiglu else 4 * self.hidden_size
         _positive("model", ffn_hidden_size=self.ffn_hidden_size)
+        _require(not (self.openai_gelu and self.swiglu),
+                 "model.openai_gelu sets the GELU MLP's activation: it does not go with model.swiglu")
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
         _require(self.num_query_groups > 0 and self.num_attention_heads % self.num_query_groups == 0,

@@ -8,8 +8,9 @@
         tensor = make()                               # reads and converts one tensor when called
 
 angelgpt's default architecture is GPT-2's: learned absolute positions, pre-LayerNorm with bias
-(Megatron's eps 1e-5), biased linears, exact GELU (Megatron's ``F.gelu``: transformers' ``gelu``, not
-``gelu_new``), softmax(q k^T / sqrt(d)), tied input and output embeddings. The differences are layout:
+(Megatron's eps 1e-5), biased linears, exact GELU (Megatron's ``F.gelu``: transformers' ``gelu``) or
+with ``model.openai_gelu`` its tanh approximation (OpenAI's checkpoints: ``gelu_new``), softmax(q k^T /
+sqrt(d)), tied input and output embeddings. The differences are layout:
 - Megatron's ``linear_qkv`` interleaves by query group: for each group its query heads, then its key
   head, then its value head (``SelfAttention.get_query_key_value_tensors``); GPT-2's ``c_attn`` holds
   all queries, then all keys, then all values;
@@ -106,7 +107,7 @@ def gpt2_config(reader, trim_vocab: bool = False, dtype: Optional[torch.dtype] =
         "n_layer": m["num_layers"],
         "n_head": m["num_attention_heads"],
         "n_inner": m["ffn_hidden_size"],
-        "activation_function": "gelu",  # Megatron's F.gelu: exact, not the tanh approximation (gelu_new)
+        "activation_function": "gelu_new" if m.get("openai_gelu") else "gelu",  # tanh approximation, or exact
         "resid_pdrop": m.get("hidden_dropout", 0.0),
         "embd_pdrop": m.get("hidden_dropout", 0.0),
         "attn_pdrop": m.get("attention_dropout", 0.0),

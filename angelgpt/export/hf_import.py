@@ -6,7 +6,8 @@
 ``LlamaForCausalLM`` (Llama, Mistral without a sliding window), ``Qwen2ForCausalLM`` (its q, k, v biases:
 ``model.add_qkv_bias``) and ``GPT2LMHeadModel`` are read. The
 architecture implies the model section of the config (RMSNorm, SwiGLU, RoPE, grouped-query attention,
-untied output weights for Llama; GPT-2's LayerNorm, exact GELU, learned positions, tied weights), and
+untied output weights for Llama; GPT-2's LayerNorm, GELU exact or tanh-approximated, learned positions,
+tied weights), and
 ``data.tokenizer`` is the model directory when it holds a tokenizer. angelgpt's GPT is built on CPU at
 TP 1, PP 1, fp32, each safetensors tensor read alone (``safe_open``) and copied in (q/k/v fused into
 Megatron's per-query-group ``linear_qkv``, gate and up into ``linear_fc1``, the vocabulary padded with
@@ -14,7 +15,7 @@ zero rows to Megatron's padded size), and saved through Megatron dist_checkpoint
 checkpoint: ``train --load`` takes its weights and starts the optimizer and schedule fresh.
 
 What the model cannot express is refused in one line before anything is written: sliding-window
-attention, rope_scaling, mixture of experts, activations other than SiLU (Llama) or exact GELU (GPT-2),
+attention, rope_scaling, mixture of experts, activations other than SiLU (Llama) or GELU (GPT-2),
 attention biases without MLP biases (or the reverse), weights not in safetensors, a tokenizer with more
 tokens than the model's vocabulary, and a --save that already holds a checkpoint.
 """
@@ -88,11 +89,17 @@ def _llama_model(hf: dict, hf_dir: str) -> dict:
                 init_method_std=float(hf.get("initializer_range", 0.02)))
 
 
+# transformers' GPT-2 activations angelgpt computes, and whether each is model.openai_gelu (the tanh
+# approximation, OpenAI's checkpoints) or the exact GELU
+GPT2_ACTIVATIONS = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True}
+
+
 def _gpt2_model(hf: dict, hf_dir: str) -> dict:
     why = None
-    if hf.get("activation_function", "gelu_new") != "gelu":
-        why = (f"its activation is {hf.get('activation_function', 'gelu_new')} (the tanh approximation); "
-               f"angelgpt's GPT-2 MLP is the exact GELU ('gelu')")
+    activation = hf.get("activation_function", "gelu_new")  # GPT2Config's default
+    if activation not in GPT2_ACTIVATIONS:
+        why = (f"its activation is {activation}; angelgpt's GPT-2 MLP computes "
+               f"{' or '.join(repr(a) for a in GPT2_ACTIVATIONS)}")
     elif hf.get("scale_attn_by_inverse_layer_idx") or hf.get("reorder_and_upcast_attn"):
         why = "it scales attention by the inverse layer index or reorders it (angelgpt's attention is plain)"
     elif hf.get("add_cross_attention"):
@@ -105,7 +112,7 @@ def _gpt2_model(hf: dict, hf_dir: str) -> dict:
     return dict(num_layers=hf["n_layer"], hidden_size=h, num_attention_heads=hf["n_head"],
                 num_query_groups=hf["n_head"], kv_channels=h // hf["n_head"],
                 ffn_hidden_size=hf.get("n_inner") or 4 * h, norm_epsilon=float(hf.get("layer_norm_epsilon", 1e-5)),
-                seq_length=hf["n_positions"], vocab_size=hf["vocab_size"],
+                seq_length=hf["n_positions"], vocab_size=hf["vocab_size"], openai_gelu=GPT2_ACTIVATIONS[activation],
                 init_method_std=float(hf.get("initializer_range", 0.02)))
 
 

@@ -19,6 +19,11 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from angelgpt.config import Config, ConfigError
 
 
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU's tanh approximation: OpenAI's GPT-2 MLP (transformers' gelu_new), model.openai_gelu."""
+    return F.gelu(x, approximate="tanh")
+
+
 def have_transformer_engine() -> bool:
     try:
         import transformer_engine  # noqa: F401
@@ -49,7 +54,7 @@ def transformer_config(cfg: Config, on_gpu: bool, perform_initialization: bool =
         kv_channels=m.kv_channels,
         ffn_hidden_size=m.ffn_hidden_size,
         gated_linear_unit=m.swiglu,
-        activation_func=F.silu if m.swiglu else F.gelu,
+        activation_func=F.silu if m.swiglu else gelu_tanh if m.openai_gelu else F.gelu,
         normalization=m.normalization,
         layernorm_epsilon=m.norm_epsilon,
         add_bias_linear=m.add_bias_linear,

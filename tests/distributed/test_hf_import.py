@@ -79,13 +79,30 @@ def gpt2(tmp_path_factory, tokenizer):
                  sentencepiece=False)
 
 
+@pytest.fixture(scope="module")
+def gpt2_openai(tmp_path_factory, tokenizer):
+    """GPT2Config's default activation, OpenAI's checkpoints': gelu_new, GELU's tanh approximation
+    (model.openai_gelu). The MLP's inputs are scaled up to where the approximation departs most from the
+    exact GELU (|x| of 1 to 3: up to about 5e-4)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=64, n_layer=2, n_head=4)
+    assert config.activation_function == "gelu_new"
+    model = GPT2LMHeadModel(config).eval()
+    with torch.no_grad():
+        for block in model.transformer.h:
+            block.mlp.c_fc.weight.mul_(10)
+    return _save(model, tokenizer, tmp_path_factory.mktemp("gpt2_openai") / "hf", sentencepiece=False)
+
+
 def _import(hf, ck):
     proc = run_cli_in_process("import", "--hf", hf, "--save", ck)
     assert proc.returncode == 0, proc.stderr
     return proc
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2", "gpt2_openai"])
 def test_imported_logits_equal_transformers(arch, request, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -105,9 +122,16 @@ def test_imported_logits_equal_transformers(arch, request, tmp_path):
         with load_local_model(CheckpointReader.open(str(tmp_path / "ck"))) as (model, cfg):
             ours = model(tokens, torch.arange(tokens.shape[1]).expand_as(tokens), None)
     assert cfg.model.untie_embeddings_and_output_weights == (arch == "llama")
-    assert cfg.model.num_query_groups == (4 if arch == "gpt2" else 2)
+    assert cfg.model.num_query_groups == (4 if arch.startswith("gpt2") else 2)
     assert cfg.model.add_qkv_bias == (arch == "qwen2")
+    assert cfg.model.openai_gelu == (arch == "gpt2_openai")
     torch.testing.assert_close(ours[..., :VOCAB], theirs, rtol=1e-4, atol=1e-4)
+    if arch == "gpt2_openai":  # the activation tells: the exact GELU's logits are 10x further off
+        with quiet(), torch.no_grad(), load_local_model(CheckpointReader.open(str(tmp_path / "ck")),
+                                                        overrides=["model.openai_gelu=false"]) as (exact, _):
+            other = exact(tokens, torch.arange(tokens.shape[1]).expand_as(tokens), None)
+        off = [(logits[..., :VOCAB] - theirs).abs().max().item() for logits in (ours, other)]
+        assert off[1] > 10 * off[0], off
 
 
 def _train_imported(ck, data, root, *overrides, nproc=1):
@@ -187,7 +211,8 @@ def test_bad_input_one_line_exit_2_nothing_written(llama, gpt2, tmp_path):
         (_edited(llama, tmp_path, "scaled", rope_scaling={"rope_type": "linear", "factor": 2.0}), "scales RoPE"),
         (_edited(llama, tmp_path, "moe", num_local_experts=4), "mixture of experts"),
         (_edited(llama, tmp_path, "small", vocab_size=VOCAB - 100), f"tokenizer has {VOCAB} tokens"),
-        (_edited(gpt2, tmp_path, "gelu_new", activation_function="gelu_new"), "gelu_new"),
+        (_edited(gpt2, tmp_path, "relu", activation_function="relu"),
+         "its activation is relu; angelgpt's GPT-2 MLP computes 'gelu' or 'gelu_new' or 'gelu_pytorch_tanh'"),
     ]
     for i, (hf, needle) in enumerate(cases):
         save = tmp_path / f"ck{i}"
@@ -197,10 +222,11 @@ def test_bad_input_one_line_exit_2_nothing_written(llama, gpt2, tmp_path):
     assert sorted(p.name for p in done.rglob("*")) == before
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("arch", ["gpt2", "gpt2_openai", "llama"])
 def test_import_then_export_gives_back_its_tensors(arch, request, tmp_path):
-    """transformers -> angelgpt -> transformers (GPT2LMHeadModel, LlamaForCausalLM with GQA and an untied
-    output layer): every tensor comes back equal in fp32, and the tokenizer too."""
+    """transformers -> angelgpt -> transformers (GPT2LMHeadModel with either GELU, LlamaForCausalLM with GQA
+    and an untied output layer): every tensor comes back equal in fp32, the activation and the tokenizer
+    too."""
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
@@ -217,8 +243,10 @@ def test_import_then_export_gives_back_its_tensors(arch, request, tmp_path):
     back = {}
     for f in (tmp_path / "back").glob("*.safetensors"):
         back.update(load_file(f))
-    if arch == "gpt2":
+    if arch.startswith("gpt2"):
         original = {k: v for k, v in original.items() if not k.startswith("lm_head")}  # tied
+        activation = json.loads((tmp_path / "back" / "config.json").read_text())["activation_function"]
+        assert activation == json.loads((hf / "config.json").read_text())["activation_function"]
     assert sorted(back) == sorted(original)
     for name, tensor in original.items():
         assert torch.equal(back[name], tensor), name

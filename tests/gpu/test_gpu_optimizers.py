@@ -19,6 +19,8 @@ CASES = {
     "megatron-async": ["optim.optimizer=megatron", "checkpoint.async_save=true"],
     # Megatron's fully_reshardable format (the states gathered and saved shaped like the params)
     "megatron-fully_reshardable": ["optim.optimizer=megatron", "checkpoint.dist_ckpt_optim_fully_reshardable=true"],
+    # GELU's tanh approximation (OpenAI's GPT-2; exported as transformers' gelu_new)
+    "megatron-openai-gelu": ["optim.optimizer=megatron", "model.openai_gelu=true"],
     "megatron_cpu_offload-async": ["optim.optimizer=megatron_cpu_offload", "checkpoint.async_save=true"],
     # half the states on the GPU (Megatron's HybridDeviceOptimizer keeps a GPU Adam beside the CPU one)
     "megatron_cpu_offload-half": ["optim.optimizer=megatron_cpu_offload", "optim.offload_fraction=0.5"],
@@ -119,6 +121,8 @@ def test_optimizer_saves_resumes_and_exports_on_gpu(case, tmp_path):
     assert proc.returncode == 0, proc.stderr
     model = AutoModelForCausalLM.from_pretrained(out).eval()  # the export's bf16 weights
     assert isinstance(model, LlamaForCausalLM if case.startswith("llama") else GPT2LMHeadModel), type(model)
+    if "model.openai_gelu=true" in extra:
+        assert model.config.activation_function == "gelu_new", model.config.activation_function
     tokens = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         theirs = model(tokens).logits
