@@ -38,7 +38,7 @@ def evaluate(load: str, overrides: Optional[List[str]] = None, iters: Optional[i
     from angelgpt.data.tokenizer import MockTokenizer, load_tokenizer
     from angelgpt.export.checkpoint_reader import CheckpointReader
     from angelgpt.export.local_model import load_local_model, run_config
-    from angelgpt.train.loop import loss_func
+    from angelgpt.train.step import loss_func
 
     if device not in ("cpu", "cuda"):
         raise ConfigError(f"--device must be 'cpu' or 'cuda', got '{device}'")

@@ -21,7 +21,7 @@ as fp32 CPU tensors of shape (seq_length, micro_batch_size, hidden_size), the mo
 
 Only the non-interleaved schedule runs here (``virtual_pipeline_model_parallel_size`` is not offered:
 the interleaved schedule needs model chunks, which angelgpt does not build). With one stage the loop
-keeps its own no-pipelining loop (``angelgpt.train.loop.forward_backward_cpu``).
+keeps its own no-pipelining loop (``angelgpt.train.step.forward_backward_cpu``).
 """
 
 from __future__ import annotations

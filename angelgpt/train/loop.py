@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import time
 from functools import partial
-from typing import Dict, List
+from typing import List
 
 import torch
 import torch.distributed as dist
@@ -19,6 +19,7 @@ from angelgpt.parallel.log import EVERY_RANK, get_logger
 from angelgpt.optimizer import Optimizer
 from angelgpt.train import checkpoint
 from angelgpt.train.checkpoint_check import resume_root
+from angelgpt.train.step import forward_backward_cpu, forward_step, mean_loss, shared_p2p
 from angelgpt.train.stop import RunControl, report_stop, reserve_s, save_estimate_s
 from angelgpt.train.metrics import MetricsWriter, Profiling, gpu_alloc_retries, gpu_memory_gib, host_memory_gib
 
@@ -59,76 +60,6 @@ def close_within(closers, timeout: float = CLOSE_TIMEOUT_S) -> List[str]:
     return failed
 
 
-def loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
-    """Mean next-token cross entropy over unmasked tokens; output is the per-token loss [b, s]."""
-    mask = loss_mask.reshape(-1).float()
-    loss = (output.float().reshape(-1) * mask).sum() / mask.sum().clamp(min=1.0)
-    # a copy: Megatron's schedule divides the returned loss by the number of micro batches in place
-    return loss, {"lm loss": loss.detach().clone()}
-
-
-def forward_step(data_iterator, model, offload=None):
-    """One micro batch's forward; with `offload` (angelgpt.model.offload.offload_mode) the tensors it
-    selects of those the forward saves go to host memory until their backward."""
-    from angelgpt.model.offload import offloading
-
-    batch = next(data_iterator)
-    with offloading(model, offload):
-        output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])  # [b, s]
-    return output, partial(loss_func, batch["loss_mask"])
-
-
-def forward_backward_cpu(forward_step_func, data_iterator, model, num_microbatches: int,
-                         forward_only: bool = False, **_) -> List[Dict[str, torch.Tensor]]:
-    """Megatron's no-pipelining schedule for CPU (Megatron's own allocates on CUDA). Under sequence
-    parallelism Megatron's gathers and reduce-scatters along the sequence allocate on CUDA too: forward
-    and backward then run inside parallel.sequence.cpu_sequence_parallel, which keeps them on the CPU."""
-    from contextlib import nullcontext
-
-    from megatron.core.utils import get_model_config
-
-    from angelgpt.parallel.sequence import cpu_sequence_parallel
-
-    reduced = []
-    with cpu_sequence_parallel() if get_model_config(model).sequence_parallel else nullcontext():
-        for _ in range(num_microbatches):
-            output, finish = forward_step_func(data_iterator, model)
-            loss, stats = finish(output)
-            if not forward_only:
-                (loss / num_microbatches).backward()
-            reduced.append(stats)
-    return reduced
-
-
-def _mean_loss(stats: List[Dict[str, torch.Tensor]], device) -> float:
-    """Mean over micro batches, then over data-parallel ranks (last pipeline stage holds the loss). One
-    data-parallel rank calls no collective: its NCCL communicator would start here, after the optimizer's
-    store has taken the GPU's memory (a full GPU refused NCCL 24 bytes)."""
-    if not parallel_state.is_pipeline_last_stage():
-        return float("nan")
-    loss = torch.stack([s["lm loss"] for s in stats]).mean().to(device)
-    dp = parallel_state.get_data_parallel_world_size()
-    if dp > 1:
-        dist.all_reduce(loss, group=parallel_state.get_data_parallel_group())
-    return loss.item() / dp
-
-
-def _shared_p2p(forward_backward, model, sharing):
-    """Megatron's forward-backward with its pipeline sends and receives carried by `sharing`
-    (parallel.DeviceSharing: one tensor at a time, batch_p2p_comm off in the model's config)."""
-    from megatron.core.utils import get_model_config
-
-    config = get_model_config(model)
-    config.batch_p2p_comm = False
-    sharing.check_pipeline_config(config)
-
-    def run(**kwargs):
-        with sharing.pipeline_p2p():
-            return forward_backward(**kwargs)
-
-    return run
-
-
 class Trainer:
     def __init__(self, cfg: Config, model, optimizer: Optimizer, scheduler, train_ds, valid_ds, on_gpu: bool,
                  control: RunControl, rehearsal: bool = False, sharing=None):
@@ -153,7 +84,7 @@ class Trainer:
             # CUDA tensors only as it arranges
             if sharing is not None and self.pipelined and \
                     dist.get_backend(parallel_state.get_pipeline_model_parallel_group()) == sharing.backend:
-                self.forward_backward = _shared_p2p(self.forward_backward, model, sharing)
+                self.forward_backward = shared_p2p(self.forward_backward, model, sharing)
         elif self.pipelined:  # Megatron's 1F1B with its CUDA allocations kept on the CPU
             from angelgpt.parallel import cpu_schedules
 
@@ -196,7 +127,7 @@ class Trainer:
         self.model.eval()
         it = micro_batches(self.valid_ds, 0, self.cfg.train.micro_batch_size,
                            parallel_state.get_data_parallel_rank(), self.dp, self.device)
-        losses = [_mean_loss(self._run(it, forward_only=True), self.device) for _ in range(self.cfg.train.eval_iters)]
+        losses = [mean_loss(self._run(it, forward_only=True), self.device) for _ in range(self.cfg.train.eval_iters)]
         self.model.train()
         self.last_eval_s = time.perf_counter() - started
         return sum(losses) / len(losses)
@@ -299,8 +230,12 @@ class Trainer:
             sum(p.numel() for p in self.model.parameters()))
         eval_s = 0.0 if not (tr.eval_interval and self.valid_ds) else (
             self.last_eval_s if self.last_eval_s is not None else tr.eval_iters * iteration_s / 3)
-        return reserve_s(iteration_s, save_s, eval_s, bool(ck.save_interval and self.iteration % ck.save_interval == 0),
-                         bool(tr.eval_interval and self.iteration % tr.eval_interval == 0))
+        return reserve_s(iteration_s, save_s, eval_s, self._due(ck.save_interval), self._due(tr.eval_interval))
+
+    def _due(self, interval) -> bool:
+        """Whether this iteration is a boundary of an interval (save, evaluation, log, exit; None: never).
+        The reserve of the wall-clock limit and the loop ask this one rule, so they agree on what is due."""
+        return bool(interval and self.iteration % interval == 0)
 
     def _step(self, it):
         """One iteration's forward, backward and optimizer step; a non-finite loss on any rank leaves the
@@ -309,7 +244,7 @@ class Trainer:
         self.optimizer.zero_grad()
         started = self._clock()
         stats = self._run(it, forward_only=False)
-        loss = _mean_loss(stats, self.device)
+        loss = mean_loss(stats, self.device)
         loss_ok = self.rehearsal or parallel.all_ranks(
             math.isfinite(loss) or not parallel_state.is_pipeline_last_stage(), self.device)
         backward_done = self._clock()
@@ -381,17 +316,15 @@ class Trainer:
             if self.saver:  # a background save whose write every rank has finished is made visible
                 self.saver.finalize(blocking=False)
             aborting = in_a_row >= cfg.train.max_consecutive_skips and not self.rehearsal
-            last = stop or aborting or self.iteration == cfg.train.train_iters or bool(
-                cfg.train.exit_interval and self.iteration % cfg.train.exit_interval == 0)
+            last = stop or aborting or self.iteration == cfg.train.train_iters or self._due(cfg.train.exit_interval)
             val_loss = None
-            if cfg.train.eval_interval and (self.iteration % cfg.train.eval_interval == 0 or last) and self.valid_ds:
+            if cfg.train.eval_interval and (self._due(cfg.train.eval_interval) or last) and self.valid_ds:
                 self.control.phase = f"iteration {self.iteration}: evaluation"
                 val_loss = self.evaluate()
-            if self.iteration % cfg.logging.log_interval == 0 or last or val_loss is not None:
+            if self._due(cfg.logging.log_interval) or last or val_loss is not None:
                 self._log(loss, val_loss, grad_norm, window_start, window_iters, flops, tokens_per_iter, world)
                 window_start, window_iters = time.perf_counter(), 0
-            if cfg.checkpoint.save and (last or (cfg.checkpoint.save_interval
-                                                 and self.iteration % cfg.checkpoint.save_interval == 0)):
+            if cfg.checkpoint.save and (last or self._due(cfg.checkpoint.save_interval)):
                 self.control.phase = f"iteration {self.iteration}: checkpoint save"
                 self.save(last)
                 window_start, window_iters = time.perf_counter(), 0

@@ -147,7 +147,7 @@ def test_the_hooks_move_exactly_the_inputs_that_recompute_keeps_and_change_nothi
 
 def test_forward_step_offloads_what_its_mode_says(monkeypatch):
     from angelgpt.model import offload
-    from angelgpt.train.loop import forward_step
+    from angelgpt.train.step import forward_step
 
     assert offload.offload_mode("checkpoints", True) == "checkpoints"
     assert offload.offload_mode("checkpoints", False) == "everything"

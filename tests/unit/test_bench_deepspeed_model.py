@@ -71,7 +71,7 @@ def test_parameter_count_matches_megatron_gpt(name, layers):
 def test_first_step_loss_gradients_and_norm_equal_angelgpt(start, angelgpt_run):
     """On the first global batch the script reads, the script's model with angelgpt's initial weights gives
     the loss and gradient norm `angelgpt train` logged, and Megatron's gradients parameter by parameter."""
-    from angelgpt.train.loop import loss_func
+    from angelgpt.train.step import loss_func
     from angelgpt.optimizer.cpu import global_grad_norm
 
     cfg, megatron, model = start

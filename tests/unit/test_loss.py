@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import torch
 from megatron.core.pipeline_parallel.schedules import forward_step_calc_loss
 
-from angelgpt.train.loop import loss_func
+from angelgpt.train.step import loss_func
 
 
 def test_logged_loss_is_not_scaled_by_the_number_of_micro_batches():
