@@ -95,7 +95,9 @@ class Trainer:
                     and parallel_state.get_data_parallel_rank() == 0)
         self.owns_log = owns_log
         self.writer = None
-        self.iteration = self.consumed = self.skipped = 0  # iterations done, samples consumed, skipped
+        self.iteration = 0  # iterations done
+        self.consumed = 0  # samples consumed
+        self.skipped = 0  # iterations skipped (a non-finite loss or gradient norm)
         # a rehearsal (fake collectives: losses and norms are meaningless, non-finite ones included)
         # neither skips nor aborts on them, and records each iteration's times (device synchronized)
         self.rehearsal = rehearsal
