@@ -1,9 +1,7 @@
-"""Facts about this machine and this checkout, read one way everywhere and without torch (a launcher reads
-them before any worker imports it): host memory available (capped by a cgroup limit) and what ZeRO-Cache's
-store may take of it and of an NVMe directory, the C compiler, the commit that runs, and an exclusive file
-lock.
+"""Facts about this machine and this checkout, read one way everywhere: host memory available (capped
+by a cgroup limit), the C compiler, the commit that runs, and an exclusive file lock.
 
-    from angelgpt.system import GIB, mem_available_bytes, host_bytes, nvme_bytes, c_compiler, git_commit, try_lock
+    from angelgpt.system import GIB, mem_available_bytes, c_compiler, git_commit, try_lock
 """
 
 from __future__ import annotations
@@ -36,30 +34,6 @@ def mem_available_bytes() -> int:
         except OSError:
             continue
     return available if available is not None else 0
-
-
-def host_bytes(host_max_gib: Optional[float]) -> int:
-    """Host memory the store may take: host_max_gib, else MemAvailable less a small reserve."""
-    if host_max_gib is not None:
-        return int(host_max_gib * GIB)
-    avail = mem_available_bytes()
-    return int(avail - max(2 * GIB, 0.03 * avail))
-
-
-def disk_free_bytes(path: str) -> int:
-    """Free space of the file system `path` is on (or would be on: its nearest existing parent)."""
-    probe = os.path.abspath(path)
-    while not os.path.exists(probe) and probe != os.path.dirname(probe):
-        probe = os.path.dirname(probe)
-    return shutil.disk_usage(probe).free
-
-
-def nvme_bytes(nvme_path: Optional[str], nvme_max_gib: Optional[float]) -> int:
-    """The NVMe directory's free space, up to nvme_max_gib; 0 without a path."""
-    if not nvme_path:
-        return 0
-    free = disk_free_bytes(nvme_path)
-    return min(free, int(nvme_max_gib * GIB)) if nvme_max_gib is not None else free
 
 
 def c_compiler(compiler: Optional[str] = None) -> Optional[str]:

@@ -20,7 +20,7 @@ def resolve_for(cfg, on_gpu: bool, nproc_per_node: int, nnodes: int, target=None
     that machine's figures instead."""
     from angelgpt.planner import read_this_machine, resolve_config, resolved_line
 
-    machine = target or read_this_machine(cfg.zero_cache, nproc_per_node, before_workers=True, read_gpu=on_gpu)
+    machine = target or read_this_machine(cfg.zero_cache, nproc_per_node, before_workers=True)
     resolved, plan = resolve_config(cfg, machine, nproc_per_node, nnodes, on_gpu)
     return machine, resolved, plan, resolved_line(cfg, resolved)
 

@@ -81,7 +81,7 @@ def target_machine(zc, on_gpu: bool, gpus_per_node: int, machine: Optional[str],
     import torch
 
     from angelgpt.planner import describe, machine_from
-    from angelgpt.system import nvme_bytes
+    from angelgpt.zero_cache.tiers import nvme_bytes
 
     if on_gpu:
         props = torch.cuda.get_device_properties(0)

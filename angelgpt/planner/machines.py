@@ -92,7 +92,7 @@ _H200_SOURCES = {
     "gpus_per_node": "measured: the test machine has one GPU (FACTS.md: one single-H200 machine)",
     "gpu_mem_gib": "measured: FACTS.md, 'NVIDIA H200, 139.8 GiB usable'",
     "host_mem_gib": "measured: MemAvailable 125.4 GiB on a fresh test machine (FACTS.md: 128 GiB total) less "
-                    "the 3% ZeRO-Cache leaves (system.host_bytes), plus the process (HOST_PROCESS)",
+                    "the 3% ZeRO-Cache leaves (tiers.host_bytes), plus the process (HOST_PROCESS)",
     "nvme_gib": "measured: FACTS.md, disk '/', 64 GB free",
     "pcie_gbs": "measured: FACTS.md, pinned host to device and device to host 55.3 GB/s each",
     "nvme_gbs": "measured: ZeRO-Cache's NVMe tier reading and writing at once, 2.0 GB/s (24 layers of the 55 "
@@ -246,28 +246,26 @@ def describe(gpu_name: str, gpu_total_bytes: int, gpus_per_node: int, host_bytes
                    nvme_gib=nvme_bytes / GIB, sources=sources, **rates)
 
 
-def read_this_machine(zero_cache_cfg, gpus_per_node: int, before_workers: bool = False,
-                      read_gpu: bool = True) -> Machine:
+def read_this_machine(zero_cache_cfg, gpus_per_node: int, before_workers: bool = False) -> Machine:
     """This node, read here (`describe`): CUDA device 0's name and total memory (no CUDA context made;
-    on a machine without CUDA, or with `read_gpu=False` for a CPU job, GPU memory 0 and generic rates:
-    CPU resolution does not use them, and then torch is not imported), and
+    on a machine without CUDA, GPU memory 0 and generic rates: CPU resolution does not use them), and
     per GPU the host memory and NVMe space that ZeRO-Cache's capacity check will allow
-    (system.host_bytes and nvme_bytes with `zero_cache_cfg`'s host_max_gib, nvme_path, nvme_max_gib),
+    (tiers.host_bytes and nvme_bytes with `zero_cache_cfg`'s host_max_gib, nvme_path, nvme_max_gib),
     plus the process (HOST_PROCESS, which the plan counts on top of the store).
 
     Read in a worker (the default), the host memory has the process in it already, hence added back.
     `before_workers=True` (a launcher, before any worker exists): with no host_max_gib the workers'
     processes will come out of the host memory read now, so HOST_PROCESS per GPU is taken out first."""
-    from angelgpt.system import host_bytes, nvme_bytes
+    import torch
+
+    from angelgpt.zero_cache.tiers import host_bytes, nvme_bytes
 
     zc = zero_cache_cfg
-    name, total = "no CUDA GPU", 0
-    if read_gpu:
-        import torch
-
-        if torch.cuda.is_available():
-            props = torch.cuda.get_device_properties(0)
-            name, total = props.name, props.total_memory
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        name, total = props.name, props.total_memory
+    else:
+        name, total = "no CUDA GPU", 0
     host = host_bytes(zc.host_max_gib)
     if before_workers and zc.host_max_gib is None:
         host = max(0, host - HOST_PROCESS * gpus_per_node)

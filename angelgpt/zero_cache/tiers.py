@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from angelgpt.config import ConfigError
 
-from angelgpt.system import GIB, host_bytes, mem_available_bytes, nvme_bytes, try_lock  # noqa: F401 (re-exported for callers)
+from angelgpt.system import GIB, mem_available_bytes, try_lock  # noqa: F401 (re-exported for callers)
 
 
 def page_lock(buf: torch.Tensor) -> int:
@@ -131,6 +131,13 @@ class NVMeTier:
                 shutil.rmtree(d, ignore_errors=True)
         return freed
 
+    @staticmethod
+    def free_bytes(path: str) -> int:
+        probe = Path(path)
+        while not probe.exists() and probe != probe.parent:
+            probe = probe.parent
+        return shutil.disk_usage(probe).free
+
     def create(self, key: str, nbytes: int) -> Path:
         file = self.dir / f"{key}.bin"
         with open(file, "wb") as fh:
@@ -213,6 +220,22 @@ def check_memlock(pinned_bytes: int, privileged: Optional[bool] = None) -> None:
         raise CapacityError(f"zero_cache: {pinned_bytes:,} B ({pinned_bytes / GIB:.2f} GiB) of host memory must be "
                             f"pinned but the memlock limit (ulimit -l) allows {soft:,} B; raise it (ulimit -l "
                             f"unlimited, or docker run --ulimit memlock=-1)", ["memlock"])
+
+
+def host_bytes(host_max_gib: Optional[float]) -> int:
+    """Host memory the store may take: host_max_gib, else MemAvailable less a small reserve."""
+    if host_max_gib is not None:
+        return int(host_max_gib * GIB)
+    avail = mem_available_bytes()
+    return int(avail - max(2 * GIB, 0.03 * avail))
+
+
+def nvme_bytes(nvme_path: Optional[str], nvme_max_gib: Optional[float]) -> int:
+    """The NVMe directory's free space, up to nvme_max_gib; 0 without a path."""
+    if not nvme_path:
+        return 0
+    free = NVMeTier.free_bytes(nvme_path)
+    return min(free, int(nvme_max_gib * GIB)) if nvme_max_gib is not None else free
 
 
 def device_memory(device: torch.device):
