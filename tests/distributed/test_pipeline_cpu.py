@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, check_one_line_error, dry_run, run_cli, run_config_in, train_tiny
+from tests.helpers import ROOT, check_one_line_error, dry_run, resume_point, run_cli, run_config_in, train_tiny
 
 pytestmark = pytest.mark.distributed
 
@@ -32,12 +32,16 @@ CHECK = Path(__file__).with_name("pipeline_tied_check.py")
 
 @pytest.fixture(scope="module")
 def single_rank(tmp_path_factory):
-    """TP 1 x PP 1 x DP 1 runs of each optimizer, trained once for the module."""
+    """TP 1 x PP 1 x DP 1 runs of each optimizer, trained once for the module, saving at iteration 10 into
+    the directory the run's records carry as `saved` (PP 1's checkpoint, which the checkpoint tests move)."""
     runs = {}
 
     def get(optimizer):
         if optimizer not in runs:
-            runs[optimizer] = train_tiny(tmp_path_factory.mktemp("single"), optimizer, *COMMON, *OPTIMIZERS[optimizer])
+            root = tmp_path_factory.mktemp("single")
+            records = train_tiny(root, optimizer, *COMMON, *OPTIMIZERS[optimizer], "checkpoint.save_interval=10",
+                                 f"checkpoint.save={root / 'saved'}")
+            runs[optimizer] = (records, root / "saved")
         return runs[optimizer]
 
     return get
@@ -59,7 +63,7 @@ def assert_same_losses(base, other, steps):
 def test_pipeline_matches_single_rank(tmp_path, single_rank, optimizer, layout):
     nproc, overrides = LAYOUTS[layout]
     other = train_tiny(tmp_path, layout, *COMMON, *OPTIMIZERS[optimizer], *overrides, nproc=nproc)
-    base = single_rank(optimizer)
+    base, _ = single_rank(optimizer)
     assert_same_losses(base, other, list(range(1, STEPS + 1)))
     assert sum(r["val_loss"] is not None for r in other) == 2
     assert base[-1]["lm_loss"] < base[0]["lm_loss"]
@@ -98,17 +102,22 @@ def test_tied_embedding_check_sees_a_missing_sync(tmp_path):
 @pytest.mark.parametrize("case", [("megatron", 2, 1), ("megatron", 1, 2), ("zero_cache-0.5", 2, 1)],
                          ids=lambda c: f"{c[0]}-pp{c[1]}-to-pp{c[2]}")
 def test_checkpoint_moves_between_pipeline_sizes(tmp_path, single_rank, case):
-    """Saved at iteration 10 with one PP size, resumed with the other: the losses go on as the
-    uninterrupted single-rank run's (model and optimizer states resharded by dist_checkpointing)."""
+    """Saved at iteration 10 with one PP size (PP 1: by the single-rank run on its way), resumed with the
+    other: the losses go on as the uninterrupted single-rank run's (model and optimizer states resharded by
+    dist_checkpointing)."""
     optimizer, saved_pp, loaded_pp = case
-    ckpt = tmp_path / "ckpt"
-    first = train_tiny(tmp_path, "first", *COMMON, *OPTIMIZERS[optimizer], "train.exit_interval=10",
-                       f"parallel.pipeline_model_parallel_size={saved_pp}", f"checkpoint.save={ckpt}", nproc=saved_pp)
-    assert first[-1]["iteration"] == 10
+    full, single_saved = single_rank(optimizer)
+    if saved_pp == 1:
+        ckpt = resume_point(single_saved, 10, tmp_path / "ckpt")
+    else:
+        ckpt = tmp_path / "ckpt"
+        first = train_tiny(tmp_path, "first", *COMMON, *OPTIMIZERS[optimizer], "train.exit_interval=10",
+                           f"parallel.pipeline_model_parallel_size={saved_pp}", f"checkpoint.save={ckpt}",
+                           nproc=saved_pp)
+        assert first[-1]["iteration"] == 10
+        assert_same_losses(full, first, list(range(1, 11)))
     resumed = train_tiny(tmp_path, "resumed", *COMMON, *OPTIMIZERS[optimizer], f"checkpoint.load={ckpt}",
                          f"parallel.pipeline_model_parallel_size={loaded_pp}", nproc=loaded_pp)
-    full = single_rank(optimizer)
-    assert_same_losses(full, first, list(range(1, 11)))
     assert_same_losses(full, resumed, list(range(11, STEPS + 1)))
     assert resumed[-1]["consumed_samples"] == full[-1]["consumed_samples"]
 

@@ -13,8 +13,16 @@ def losses(records):
     return [r["lm_loss"] for r in records]
 
 
-def test_tiny_trains_50_steps_and_loss_falls(tmp_path):
-    records = train_tiny(tmp_path, "plain")
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The tiny preset's 50 steps in one process, written to TensorBoard too: the run the layouts and the
+    resumed run must reproduce."""
+    root = tmp_path_factory.mktemp("uninterrupted")
+    return train_tiny(root, "plain", f"logging.tensorboard_dir={root / 'tb'}"), root / "tb"
+
+
+def test_tiny_trains_50_steps_and_loss_falls(uninterrupted):
+    records, _ = uninterrupted
     assert [r["iteration"] for r in records] == list(range(1, 51))
     first, last = records[0]["lm_loss"], records[-1]["lm_loss"]
     assert math.isclose(first, math.log(512), rel_tol=0.05)  # starts near uniform over the vocabulary
@@ -26,18 +34,18 @@ def test_tiny_trains_50_steps_and_loss_falls(tmp_path):
 
 @pytest.mark.parametrize("layout", [("tp2", 2, ["parallel.tensor_model_parallel_size=2"]), ("dp2", 2, [])],
                          ids=lambda x: x[0])
-def test_parallel_layout_matches_single_rank(tmp_path, layout):
+def test_parallel_layout_matches_single_rank(tmp_path, uninterrupted, layout):
     name, nproc, overrides = layout
-    base = losses(train_tiny(tmp_path, "single", "train.train_iters=8"))
-    other = losses(train_tiny(tmp_path, name, "train.train_iters=8", *overrides, nproc=nproc))
-    assert len(other) == len(base) == 8
+    base = losses(uninterrupted[0])
+    other = losses(train_tiny(tmp_path, name, *overrides, nproc=nproc))
+    assert len(other) == len(base) == 50
     for step, (a, b) in enumerate(zip(base, other), 1):
         assert math.isclose(a, b, rel_tol=1e-5), (step, a, b)
     assert base[-1] < base[0]
 
 
-def test_stop_at_20_and_resume_matches_uninterrupted(tmp_path):
-    full = train_tiny(tmp_path, "full")
+def test_stop_at_20_and_resume_matches_uninterrupted(tmp_path, uninterrupted):
+    full, _ = uninterrupted
     ckpt = tmp_path / "ckpt"
     first = train_tiny(tmp_path, "first", "train.exit_interval=20", f"checkpoint.save={ckpt}")
     assert first[-1]["iteration"] == 20
@@ -51,15 +59,13 @@ def test_stop_at_20_and_resume_matches_uninterrupted(tmp_path):
     assert resumed[-1]["consumed_samples"] == full[-1]["consumed_samples"]
 
 
-def test_tensorboard_event_files(tmp_path):
-    tb = tmp_path / "tb"
-    train_tiny(tmp_path, "tb", "train.train_iters=3", f"logging.tensorboard_dir={tb}")
+def test_tensorboard_event_files(uninterrupted):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    acc = EventAccumulator(str(tb))
+    acc = EventAccumulator(str(uninterrupted[1]))
     acc.Reload()
     steps = [e.step for e in acc.Scalars("train/lm_loss")]
-    assert steps == [1, 2, 3]
+    assert steps == list(range(1, 51))
 
 
 def test_auto_is_resolved_once_and_the_checkpoint_records_the_resolved_config(tmp_path):

@@ -100,13 +100,22 @@ def bad_prepare_cases(tokenizer, tmp_path):
     }
 
 
-@pytest.mark.parametrize("case", ["missing file", "empty corpus", "missing text key", "tokenizer missing",
-                                  "offline dataset name"])
 @pytest.mark.subprocess
+def test_prepare_bad_input_in_its_own_process(tokenizer, tmp_path):
+    """The answer as a shell sees it (the process's exit code and its stderr), to a dataset name, which
+    HF_HUB_OFFLINE in the process's environment keeps off the network."""
+    args, needle = bad_prepare_cases(tokenizer, tmp_path)["offline dataset name"]
+    proc = run_cli("data", "prepare", *args, "--output", tmp_path / "out", env={"HF_HUB_OFFLINE": "1"})
+    check_one_line_error(proc, needle)
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("out")]  # nothing half-written
+
+
+@pytest.mark.parametrize("case", ["missing file", "empty corpus", "missing text key", "tokenizer missing"])
 def test_prepare_bad_input(case, tokenizer, tmp_path):
+    from tests.helpers import run_cli_in_process
+
     args, needle = bad_prepare_cases(tokenizer, tmp_path)[case]
-    out = tmp_path / "out"
-    proc = run_cli("data", "prepare", *args, "--output", out, env={"HF_HUB_OFFLINE": "1"})
+    proc = run_cli_in_process("data", "prepare", *args, "--output", tmp_path / "out")
     check_one_line_error(proc, needle)
     assert not [p for p in os.listdir(tmp_path) if p.startswith("out")]  # nothing half-written
 
