@@ -14,9 +14,8 @@ SYSCALL_MAX = 0x7FFFF000
 
 @pytest.fixture
 def roomy_dir(tmp_path):
-    """A directory for a 2 GiB file: in memory (/dev/shm) where it has room for it twice over, since the
-    system-call limit is the kernel's whatever the file system (and a disk makes this test 2x slower),
-    else tmp_path."""
+    """A directory for a 2 GiB file: in memory (/dev/shm) where 8 GiB are free there (the system-call limit
+    is the kernel's whatever the file system, and a disk makes the test slower), else tmp_path."""
     import tempfile
 
     shm = Path("/dev/shm")
