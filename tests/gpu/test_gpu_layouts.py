@@ -104,3 +104,20 @@ def test_megatron_dp_reshardable_checkpoint_at_another_tp_is_refused_in_one_line
     assert proc.returncode != 0, proc.stderr[-3000:]
     lines = [line for line in proc.stderr.splitlines() if line.startswith("angelgpt: error: ")]
     assert len(lines) == 1 and "dp_reshardable" in lines[0] and "1 x 1, this run is 1 x 2" in lines[0], proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("saver, loader", [("megatron", "zero_cache"), ("zero_cache", "megatron")])
+def test_another_optimizers_checkpoint_is_refused_in_one_line_on_one_gpu(tmp_path, saver, loader):
+    """Megatron's distributed optimizer and ZeRO-Cache lay out the model's states their own ways: each
+    refuses the other's checkpoint in the workers, in one line naming the optimizer that saved it and the
+    way on (export, then import), and saves nothing."""
+    ck, out = tmp_path / "ck", tmp_path / "out"
+    train_shared_gpu(tmp_path, "saved", *OPTIMIZERS[saver], "train.train_iters=2", f"checkpoint.save={ck}")
+    proc = train_shared_gpu(tmp_path, "resumed", *OPTIMIZERS[loader], "train.train_iters=4", f"checkpoint.load={ck}",
+                            f"checkpoint.save={out}", check=False)
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("angelgpt: error: ")]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    assert f"it was saved with optim.optimizer={saver} on cuda" in lines[0], lines[0]
+    assert f"angelgpt export --load {ck} --output HF_DIR, then angelgpt import --hf HF_DIR" in lines[0], lines[0]
+    assert not (out / "latest_checkpointed_iteration.txt").exists()
