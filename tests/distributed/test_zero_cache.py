@@ -279,21 +279,23 @@ def test_prefetch_depth_follows_the_knobs(prefetch_runs, knob):
 # batches of 2 make two a step on each DP rank (global batch 8), so gradients add up across micro batches.
 # The reference is Megatron's optimizer in one process on the same batches (that layouts train as one
 # rank does is test_train_cpu's and test_pipeline_cpu's)
+TRAJECTORY = ("train.train_iters=12", "train.micro_batch_size=2")
+
+
 @pytest.mark.parametrize("layout", [("tp2dp2", 4, ["parallel.tensor_model_parallel_size=2"])],
                          ids=lambda x: x[0])
 def test_trajectory_follows_megatron_optimizer(tmp_path, layout):
     name, nproc, extra = layout
-    extra = [*extra, "train.micro_batch_size=2"]
-    ref = train_tiny(tmp_path, "megatron", "train.train_iters=12", "train.micro_batch_size=2")
+    ref = train_tiny(tmp_path, "megatron", *TRAJECTORY)
     # half the states on the host, half of those updated on the device (CPU standing in for it)
-    zc, out = train_tiny(tmp_path, "zc", "train.train_iters=12", "optim.optimizer=zero_cache",
+    zc, out = train_tiny(tmp_path, "zc", *TRAJECTORY, "optim.optimizer=zero_cache",
                          "zero_cache.prefetch_cache_sub_group_rate=0.5", "zero_cache.device_update_fraction=0.5",
                          *extra, nproc=nproc, with_output=True)
     on_device = re.search(r"host states updated on the device ([\d,]+)", out)
     assert on_device and int(on_device.group(1).replace(",", "")) > 0, out[-2000:]
     # every layer's states on the host, weights offloaded and fetched per micro batch,
     # and each micro batch's gradients reduced and added up in the store as it ends
-    offload = train_tiny(tmp_path, "zc-offload", "train.train_iters=12", "optim.optimizer=zero_cache",
+    offload = train_tiny(tmp_path, "zc-offload", *TRAJECTORY, "optim.optimizer=zero_cache",
                          "zero_cache.prefetch_cache_sub_group_rate=0.0", "zero_cache.offload_params=true",
                          "zero_cache.accumulate_in_store=true", *extra, nproc=nproc)
     for run in (zc, offload):

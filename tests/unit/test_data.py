@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from tests.helpers import CORPUS, check_one_line_error, run_cli
+from tests.helpers import CORPUS, check_one_line_error, run_cli, run_cli_in_process, train_tiny
 
 
 @pytest.fixture(scope="module")
@@ -112,8 +112,6 @@ def test_prepare_bad_input_in_its_own_process(tokenizer, tmp_path):
 
 @pytest.mark.parametrize("case", ["missing file", "empty corpus", "missing text key", "tokenizer missing"])
 def test_prepare_bad_input(case, tokenizer, tmp_path):
-    from tests.helpers import run_cli_in_process
-
     args, needle = bad_prepare_cases(tokenizer, tmp_path)[case]
     proc = run_cli_in_process("data", "prepare", *args, "--output", tmp_path / "out")
     check_one_line_error(proc, needle)
@@ -133,7 +131,6 @@ def test_a_vocabulary_smaller_than_the_tokenizers_is_refused_before_launch(token
     """model.vocab_size below the tokenizer's 1024 pieces: refused by the launcher in one line (in a dry
     run too), before any worker starts."""
     from angelgpt.data.prepare import prepare
-    from tests.helpers import run_cli_in_process
 
     data = prepare(str(corpus), str(tokenizer), str(tmp_path / "shk"), append_eod=True, progress=False)
     proc = run_cli_in_process("train", "--size", "tiny", "--device", "cpu", "--dry-run", f"data.paths={data.prefix}",
@@ -148,7 +145,6 @@ def test_a_split_that_leaves_the_validation_split_no_document_is_refused_before_
     line before any worker starts; without, the empty splits are left out and training runs."""
     from angelgpt.data.dataset import split_sequences
     from angelgpt.data.prepare import prepare
-    from tests.helpers import run_cli_in_process, train_tiny
 
     three = tmp_path / "three.txt"
     three.write_text("\n\n".join(documents(corpus)[:3]) + "\n")
